@@ -1,0 +1,247 @@
+// XLA FFI handlers of the Stage1 custom calls on the `cpu` platform. Each one checks what it is
+// handed and calls into kernels/cpu; shapes were already validated at trace time in Python.
+#include "cpu_handlers.h"
+
+#include <string>
+
+#include "kernels/cpu/dispatch.h"
+#include "kernels/cpu/mxfp8.h"
+#include "kernels/cpu/stage.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// Aliases keep commas out of the handler macros.
+using S32Scalar = ffi::Buffer<ffi::S32, 0>;
+using S32Vec = ffi::Buffer<ffi::S32, 1>;
+using S32Mat = ffi::Buffer<ffi::S32, 2>;
+using F32Vec = ffi::Buffer<ffi::F32, 1>;
+using F32Mat = ffi::Buffer<ffi::F32, 2>;
+using BF16Mat = ffi::Buffer<ffi::BF16, 2>;
+
+ffi::Error check_dtype(const ffi::AnyBuffer& b, ffi::DataType want, const char* what) {
+  if (b.element_type() != want)
+    return ffi::Error::InvalidArgument(std::string("jax_sdma_moe: ") + what +
+                                       " has the wrong element type");
+  return ffi::Error::Success();
+}
+
+#define JSM_RETURN_IF_ERROR(expr)          \
+  do {                                     \
+    ffi::Error _e = (expr);                \
+    if (!_e.success()) return _e;          \
+  } while (0)
+
+int64_t rows_of(const ffi::AnyBuffer& b) { return b.dimensions().size() == 0 ? 1 : b.dimensions()[0]; }
+int64_t last_dim(const ffi::AnyBuffer& b) { return b.dimensions().back(); }
+
+ffi::Error QuantizeImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> values,
+                        ffi::Result<ffi::AnyBuffer> scales) {
+  JSM_RETURN_IF_ERROR(check_dtype(*values, ffi::DataType::F8E4M3FN, "quantize values"));
+  JSM_RETURN_IF_ERROR(check_dtype(*scales, ffi::DataType::U8, "quantize scales"));
+  const int64_t H = last_dim(x), n = int64_t(x.element_count()) / H, HS = H / jsm::kBlock;
+  auto* v = static_cast<uint8_t*>(values->untyped_data());
+  auto* s = static_cast<uint8_t*>(scales->untyped_data());
+  if (x.element_type() == ffi::DataType::BF16) {
+    const auto* xp = static_cast<const uint16_t*>(x.untyped_data());
+    for (int64_t r = 0; r < n; ++r) jsm::quantize_row_bf16(xp + r * H, H, v + r * H, s + r * HS);
+  } else if (x.element_type() == ffi::DataType::F32) {
+    const auto* xp = static_cast<const float*>(x.untyped_data());
+    for (int64_t b = 0; b < n * HS; ++b) s[b] = jsm::quantize_block(xp + b * jsm::kBlock, v + b * jsm::kBlock);
+  } else {
+    return ffi::Error::InvalidArgument("jax_sdma_moe quantize: x must be bfloat16 or float32");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error RouteImpl(S32Mat ids, ffi::Result<S32Mat> send_counts,
+                     ffi::Result<S32Mat> send_pos,
+                     ffi::Result<S32Scalar> num_invalid) {
+  const auto T = ids.dimensions()[0], K = ids.dimensions()[1];
+  const auto R = send_counts->dimensions()[0], EL = send_counts->dimensions()[1];
+  *num_invalid->typed_data() = jsm::route(ids.typed_data(), T, K, R, EL,
+                                          send_counts->typed_data(), send_pos->typed_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error QpackImpl(BF16Mat x, F32Mat weights,
+                     S32Mat send_pos, ffi::Result<ffi::AnyBuffer> values,
+                     ffi::Result<ffi::AnyBuffer> scales, ffi::Result<S32Vec> token,
+                     ffi::Result<S32Vec> slot, ffi::Result<F32Vec> weight) {
+  JSM_RETURN_IF_ERROR(check_dtype(*values, ffi::DataType::F8E4M3FN, "qpack values"));
+  jsm::RowHeaders out{token->typed_data(), slot->typed_data(), weight->typed_data()};
+  const auto T = x.dimensions()[0], H = x.dimensions()[1], K = send_pos.dimensions()[1];
+  jsm::qpack_rows(reinterpret_cast<const uint16_t*>(x.typed_data()), weights.typed_data(),
+                  send_pos.typed_data(), T, K, H, rows_of(*values),
+                  static_cast<uint8_t*>(values->untyped_data()),
+                  static_cast<uint8_t*>(scales->untyped_data()), out);
+  return ffi::Error::Success();
+}
+
+ffi::Error PackImpl(ffi::AnyBuffer x_values, ffi::AnyBuffer x_scales,
+                    F32Mat weights, S32Mat send_pos,
+                    ffi::Result<ffi::AnyBuffer> values, ffi::Result<ffi::AnyBuffer> scales,
+                    ffi::Result<S32Vec> token, ffi::Result<S32Vec> slot,
+                    ffi::Result<F32Vec> weight) {
+  JSM_RETURN_IF_ERROR(check_dtype(x_values, ffi::DataType::F8E4M3FN, "pack x values"));
+  JSM_RETURN_IF_ERROR(check_dtype(x_scales, ffi::DataType::U8, "pack x scales"));
+  jsm::RowHeaders out{token->typed_data(), slot->typed_data(), weight->typed_data()};
+  const auto T = rows_of(x_values), H = last_dim(x_values), K = send_pos.dimensions()[1];
+  jsm::pack_rows(static_cast<const uint8_t*>(x_values.untyped_data()),
+                 static_cast<const uint8_t*>(x_scales.untyped_data()), weights.typed_data(),
+                 send_pos.typed_data(), T, K, H, rows_of(*values),
+                 static_cast<uint8_t*>(values->untyped_data()),
+                 static_cast<uint8_t*>(scales->untyped_data()), out);
+  return ffi::Error::Success();
+}
+
+ffi::Error DispatchImpl(ffi::AnyBuffer values, ffi::AnyBuffer scales, S32Vec token,
+                        S32Vec slot, F32Vec weight,
+                        S32Mat send_counts, S32Scalar rank,
+                        ffi::Result<ffi::AnyBuffer> out_values, ffi::Result<ffi::AnyBuffer> out_scales,
+                        ffi::Result<S32Vec> src_rank, ffi::Result<S32Vec> out_token,
+                        ffi::Result<S32Vec> out_slot, ffi::Result<F32Vec> out_weight,
+                        ffi::Result<S32Vec> expert_offsets,
+                        ffi::Result<S32Vec> expert_counts,
+                        ffi::Result<S32Scalar> num_rows, ffi::Result<S32Scalar> overflow,
+                        int64_t runtime_id, int64_t row_align, double timeout_s,
+                        int64_t fault_absent_rank, int64_t fault_delay_rank, int64_t fault_delay_ms) {
+  JSM_RETURN_IF_ERROR(check_dtype(values, ffi::DataType::F8E4M3FN, "dispatch values"));
+  JSM_RETURN_IF_ERROR(check_dtype(*out_values, ffi::DataType::F8E4M3FN, "dispatch landed values"));
+  jsm::DispatchGeometry g{send_counts.dimensions()[0], send_counts.dimensions()[1], last_dim(values),
+                          rows_of(*out_values), rows_of(values)};
+  jsm::DispatchOptions opt{row_align, timeout_s, fault_absent_rank, fault_delay_rank, fault_delay_ms};
+  jsm::SendView send{static_cast<const uint8_t*>(values.untyped_data()),
+                     static_cast<const uint8_t*>(scales.untyped_data()),
+                     token.typed_data(), slot.typed_data(), weight.typed_data(),
+                     send_counts.typed_data()};
+  jsm::LandedView out{static_cast<uint8_t*>(out_values->untyped_data()),
+                      static_cast<uint8_t*>(out_scales->untyped_data()),
+                      src_rank->typed_data(), out_token->typed_data(), out_slot->typed_data(),
+                      out_weight->typed_data(), expert_offsets->typed_data(),
+                      expert_counts->typed_data(), num_rows->typed_data(), overflow->typed_data()};
+  std::string err = jsm::dispatch_cpu(runtime_id, *rank.typed_data(), g, opt, send, out);
+  if (!err.empty()) return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, err);
+  return ffi::Error::Success();
+}
+
+ffi::Error Gemm1Impl(ffi::AnyBuffer a_values, ffi::AnyBuffer a_scales,
+                     S32Vec expert_offsets, S32Vec expert_counts,
+                     ffi::AnyBuffer w_values, ffi::AnyBuffer w_scales, ffi::RemainingRets rets,
+                     bool has_limit, float swiglu_limit) {
+  JSM_RETURN_IF_ERROR(check_dtype(a_values, ffi::DataType::F8E4M3FN, "gemm1 rows"));
+  JSM_RETURN_IF_ERROR(check_dtype(w_values, ffi::DataType::F8E4M3FN, "gemm1 weights"));
+  const auto wd = w_values.dimensions();  // [EL, 2I, H]
+  jsm::Gemm1Problem p{rows_of(a_values), last_dim(a_values), wd[1] / 2, wd[0], has_limit,
+                      swiglu_limit};
+  const auto* av = static_cast<const uint8_t*>(a_values.untyped_data());
+  const auto* as = static_cast<const uint8_t*>(a_scales.untyped_data());
+  const auto* wv = static_cast<const uint8_t*>(w_values.untyped_data());
+  const auto* ws = static_cast<const uint8_t*>(w_scales.untyped_data());
+  const int32_t* offs = expert_offsets.typed_data();
+  const int32_t* cnts = expert_counts.typed_data();
+  const int64_t I = p.I, IS = I / jsm::kBlock;
+  auto h = rets.get<ffi::AnyBuffer>(0);
+  if (!h.has_value()) return h.error();
+  if (rets.size() == 1) {
+    JSM_RETURN_IF_ERROR(check_dtype(**h, ffi::DataType::BF16, "gemm1 output"));
+    auto* out = static_cast<uint16_t*>((*h)->untyped_data());
+    jsm::gemm1(av, as, offs, cnts, wv, ws, p, [&](int64_t r, int64_t c0, const float* v) {
+      for (int i = 0; i < jsm::kBlock; ++i) out[r * I + c0 + i] = jsm::f32_to_bf16(v[i]);
+    });
+    jsm::for_each_padding_row(offs, cnts, p.EL, p.m_cap, [&](int64_t r) {
+      std::fill_n(out + r * I, I, uint16_t(0));
+    });
+    return ffi::Error::Success();
+  }
+  auto hs = rets.get<ffi::AnyBuffer>(1);
+  if (!hs.has_value()) return hs.error();
+  JSM_RETURN_IF_ERROR(check_dtype(**h, ffi::DataType::F8E4M3FN, "gemm1 mxfp8 output"));
+  auto* ov = static_cast<uint8_t*>((*h)->untyped_data());
+  auto* os = static_cast<uint8_t*>((*hs)->untyped_data());
+  jsm::gemm1(av, as, offs, cnts, wv, ws, p, [&](int64_t r, int64_t c0, const float* v) {
+    os[r * IS + c0 / jsm::kBlock] = jsm::quantize_block(v, ov + r * I + c0);
+  });
+  const float zeros[jsm::kBlock] = {};
+  jsm::for_each_padding_row(offs, cnts, p.EL, p.m_cap, [&](int64_t r) {
+    for (int64_t b = 0; b < IS; ++b) os[r * IS + b] = jsm::quantize_block(zeros, ov + r * I + b * jsm::kBlock);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmQuantizeCpu, QuantizeImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmRouteCpu, RouteImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<S32Mat>()
+                                  .Ret<S32Mat>()
+                                  .Ret<S32Mat>()
+                                  .Ret<S32Scalar>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmQpackCpu, QpackImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<BF16Mat>()
+                                  .Arg<F32Mat>()
+                                  .Arg<S32Mat>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<S32Vec>()
+                                  .Ret<S32Vec>()
+                                  .Ret<F32Vec>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmPackCpu, PackImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<F32Mat>()
+                                  .Arg<S32Mat>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<S32Vec>()
+                                  .Ret<S32Vec>()
+                                  .Ret<F32Vec>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmDispatchCpu, DispatchImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<S32Vec>()
+                                  .Arg<S32Vec>()
+                                  .Arg<F32Vec>()
+                                  .Arg<S32Mat>()
+                                  .Arg<S32Scalar>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<S32Vec>()
+                                  .Ret<S32Vec>()
+                                  .Ret<S32Vec>()
+                                  .Ret<F32Vec>()
+                                  .Ret<S32Vec>()
+                                  .Ret<S32Vec>()
+                                  .Ret<S32Scalar>()
+                                  .Ret<S32Scalar>()
+                                  .Attr<int64_t>("runtime_id")
+                                  .Attr<int64_t>("row_align")
+                                  .Attr<double>("timeout_s")
+                                  .Attr<int64_t>("fault_absent_rank")
+                                  .Attr<int64_t>("fault_delay_rank")
+                                  .Attr<int64_t>("fault_delay_ms"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmGemm1Cpu, Gemm1Impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<S32Vec>()
+                                  .Arg<S32Vec>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingRets()
+                                  .Attr<bool>("has_limit")
+                                  .Attr<float>("swiglu_limit"));

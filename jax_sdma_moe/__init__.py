@@ -1,0 +1,12 @@
+"""jax_sdma_moe: expert-parallel MoE Stage1 (routing, MX-fp8 quantisation, dispatch of token rows,
+grouped GEMM1 + SwiGLU) as XLA FFI custom calls. See DESIGN.md and docs/ARCHITECTURE.md."""
+from . import layout, primitives, reference
+from .api import quantize, quantize_w1, stage1
+from .config import BENCH_TOKENS, SHAPES, MoEShape, Stage1Config
+from .runtime import Runtime
+from .types import MXFP8, QuantizedW1, Stage1Output
+
+__all__ = ["quantize", "quantize_w1", "stage1", "Stage1Config", "Runtime", "Stage1Output",
+           "QuantizedW1", "MXFP8", "MoEShape", "SHAPES", "BENCH_TOKENS", "reference", "layout",
+           "primitives"]
+__version__ = "0.1.0"

@@ -1,0 +1,141 @@
+"""Public entry points: stage1, quantize, quantize_w1 (DESIGN.md §2)."""
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import layout, primitives, reference, xla_engine
+from .layout import BLOCK
+from .runtime import Runtime
+from .types import MXFP8, QuantizedW1, Stage1Output
+
+F8 = jnp.dtype(jnp.float8_e4m3fn)
+
+
+def quantize(x: jax.Array, impl: str = "ffi") -> MXFP8:
+  """MX-fp8 along the last axis (DESIGN.md §3). impl="ffi" runs the backend's kernel,
+  impl="reference" the jnp reference; both give the same bytes."""
+  x = jnp.asarray(x)
+  if x.dtype not in (jnp.bfloat16, jnp.float32):
+    raise TypeError(f"quantize: x must be bfloat16 or float32, got {x.dtype}")
+  if x.ndim < 1 or x.shape[-1] % BLOCK:
+    raise ValueError(f"quantize: last dimension must be a multiple of {BLOCK}, got {x.shape}")
+  if impl == "reference":
+    return reference.quantize(x)
+  if impl != "ffi":
+    raise ValueError(f"quantize: impl must be 'ffi' or 'reference', got {impl!r}")
+  return primitives.quantize(x)
+
+
+def quantize_w1(w1: jax.Array, impl: str = "ffi") -> QuantizedW1:
+  """w1 [E, 2I, H] (gate rows then up rows) -> MX-fp8 weights along H."""
+  w1 = jnp.asarray(w1)
+  if w1.ndim != 3 or w1.shape[1] % 2:
+    raise ValueError(f"quantize_w1: w1 must be [E, 2I, H], got shape {w1.shape}")
+  return QuantizedW1(*quantize(w1, impl))
+
+
+def _split_topk(topk) -> Tuple[jax.Array, Optional[jax.Array]]:
+  if isinstance(topk, (tuple, list)):
+    if len(topk) != 2:
+      raise ValueError("stage1: topk must be ids or (ids, weights)")
+    return topk[0], topk[1]
+  return topk, None
+
+
+def _check_inputs(x, ids, weights, w1q, R):
+  if isinstance(x, MXFP8):
+    if x.values.dtype != F8 or x.scales.dtype != jnp.uint8:
+      raise TypeError("stage1: MX-fp8 x must be (float8_e4m3fn values, uint8 scales)")
+    if x.values.ndim != 2 or x.scales.shape != (*x.values.shape[:-1], x.values.shape[-1] // BLOCK):
+      raise ValueError(f"stage1: MX-fp8 x must be values [T, H], scales [T, H/32]; got "
+                       f"{x.values.shape}, {x.scales.shape}")
+    xshape = x.values.shape
+  else:
+    if not hasattr(x, "dtype") or x.dtype != jnp.bfloat16:
+      raise TypeError(f"stage1: x must be bfloat16 [T, H] (or MXFP8), got "
+                      f"{getattr(x, 'dtype', type(x).__name__)}")
+    if x.ndim != 2:
+      raise ValueError(f"stage1: x must be [T, H] per shard, got shape {x.shape}")
+    xshape = x.shape
+  T, H = xshape
+  if H % BLOCK:
+    raise ValueError(f"stage1: H = {H} must be a multiple of {BLOCK}")
+  if not jnp.issubdtype(ids.dtype, jnp.integer) or ids.ndim != 2 or ids.shape[0] != T:
+    raise ValueError(f"stage1: ids must be integer [T={T}, K], got {ids.dtype}{list(ids.shape)}")
+  if weights is not None and (weights.shape != ids.shape or
+                              not jnp.issubdtype(weights.dtype, jnp.floating)):
+    raise ValueError(f"stage1: weights must be float [T, K] = {list(ids.shape)}, got "
+                     f"{weights.dtype}{list(weights.shape)}")
+  if not isinstance(w1q, QuantizedW1):
+    raise TypeError("stage1: w1q must be a QuantizedW1 (use jax_sdma_moe.quantize_w1)")
+  if w1q.values.dtype != F8 or w1q.scales.dtype != jnp.uint8:
+    raise TypeError("stage1: w1q must hold float8_e4m3fn values and uint8 scales")
+  if w1q.values.ndim != 3 or w1q.values.shape[2] != H or w1q.values.shape[1] % 2:
+    raise ValueError(f"stage1: w1q.values must be [E/R, 2I, H={H}] per shard, got "
+                     f"{list(w1q.values.shape)}")
+  EL, two_i, _ = w1q.values.shape
+  if w1q.scales.shape != (EL, two_i, H // BLOCK):
+    raise ValueError(f"stage1: w1q.scales must be {[EL, two_i, H // BLOCK]}, got "
+                     f"{list(w1q.scales.shape)}")
+  if (two_i // 2) % BLOCK:
+    raise ValueError(f"stage1: I = {two_i // 2} must be a multiple of {BLOCK}")
+  return T, H, ids.shape[1], EL
+
+
+def stage1(x: Union[jax.Array, MXFP8], topk, w1q: QuantizedW1, *, runtime: Runtime,
+           check: bool = False) -> Stage1Output:
+  """Expert-parallel MoE Stage1 of this rank; call inside shard_map over runtime.axis_name.
+
+  x: [T, H] bfloat16 (quantised here) or MXFP8 (already quantised; uses `pack`).
+  topk: ids [T, K] int32, or (ids, weights [T, K] float32). ids < 0: no route; ids >= E: invalid.
+  w1q: this rank's experts, QuantizedW1 [E/R, 2I, H] (shard quantize_w1(w1) over the axis).
+  check: raise at run time if any row did not fit M_cap (overflow).
+  """
+  if not isinstance(runtime, Runtime):
+    raise TypeError("stage1: runtime= must be a jax_sdma_moe.Runtime")
+  cfg, R, axis = runtime.config, runtime.num_ranks, runtime.axis_name
+  ids, weights = _split_topk(topk)
+  T, H, K, EL = _check_inputs(x, ids, weights, w1q, R)
+  try:
+    axis_size = lax.axis_size(axis)
+  except NameError as e:
+    raise ValueError(f"stage1 must be called inside jax.shard_map over axis {axis!r}") from e
+  if axis_size != R:
+    raise ValueError(f"stage1: axis {axis!r} has {axis_size} ranks but the Runtime has {R}")
+  ids = ids.astype(jnp.int32)
+  weights = jnp.ones(ids.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
+  cap = layout.m_cap(R, T, K, EL, cfg.row_align, cfg.max_recv_rows)
+  rank = lax.axis_index(axis)
+
+  route = primitives.route(ids, R, EL)
+  if isinstance(x, MXFP8):
+    send = primitives.pack(x, weights, route.send_pos)
+  else:
+    send = primitives.qpack(x, weights, route.send_pos)
+  if runtime.engine == "cpu":
+    landed = primitives.dispatch(
+        send, route.send_counts, rank, runtime_id=runtime.runtime_id, cap=cap,
+        row_align=cfg.row_align, timeout_s=cfg.timeout_s,
+        fault_absent_rank=cfg.fault_absent_rank, fault_delay_rank=cfg.fault_delay_rank,
+        fault_delay_ms=cfg.fault_delay_ms)
+  else:
+    landed = xla_engine.dispatch(send, route.send_counts, axis_name=axis, num_ranks=R, cap=cap,
+                                 row_align=cfg.row_align, ragged=runtime.platform != "cpu")
+  h = primitives.gemm1(landed.values, landed.scales, landed.expert_offsets, landed.expert_counts,
+                       w1q, swiglu_limit=cfg.swiglu_limit, out_dtype=cfg.out_dtype)
+  out = Stage1Output(h, landed.expert_offsets, landed.expert_counts, landed.src_rank,
+                     landed.src_token, landed.topk_slot, landed.topk_weight, landed.num_rows,
+                     route.num_invalid, landed.overflow)
+  if check:
+    jax.debug.callback(_raise_on_overflow, rank, out.overflow, cap)
+  return out
+
+
+def _raise_on_overflow(rank, overflow, cap):
+  if int(overflow) > 0:
+    raise RuntimeError(f"jax_sdma_moe.stage1: {int(overflow)} rows routed to rank {int(rank)} did "
+                       f"not fit M_cap = {cap}; raise Stage1Config.max_recv_rows")

@@ -1,0 +1,68 @@
+"""Configuration and the shape registry shared by tests, benchmarks and the demo."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+ENGINES = ("cpu", "xla", "ce", "sm", "sdma")
+OUT_DTYPES = ("bf16", "mxfp8")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEShape:
+  """One MoE layer's Stage1 shape (DESIGN.md §1)."""
+  name: str
+  hidden: int            # H
+  intermediate: int      # I
+  num_experts: int       # E
+  topk: int              # K
+  swiglu_limit: Optional[float] = None
+
+
+SHAPES = {
+    "dsv3": MoEShape("dsv3", 7168, 2048, 256, 8),
+    "v4pro": MoEShape("v4pro", 7168, 3072, 384, 6, 10.0),
+    "small": MoEShape("small", 256, 128, 16, 4),
+}
+BENCH_TOKENS = (128, 1024, 2048, 4096, 8192)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage1Config:
+  """Static settings of a Stage1 call.
+
+  engine: how rows move between ranks: "cpu" (memcpy between the virtual CPU devices of one
+    process through the Runtime's windows), "xla" (XLA collectives, any platform), and the GPU
+    engines "ce", "sm" (CUDA) and "sdma" (ROCm). None picks "cpu" on CPU meshes.
+  row_align: every local expert's rows start at a multiple of this (the GEMM M-tile).
+  max_recv_rows: static landing capacity per rank (M_cap); None is the dropless worst case.
+  out_dtype: "bf16" or "mxfp8" (values + per-32 scales along I).
+  swiglu_limit: None, or L > 0 for h = silu(min(g, L)) * clamp(u, -L, L).
+  timeout_s: bound on every wait for a peer; on expiry the call fails naming rank and peer.
+  fault_*: fault injection for tests: a rank that never takes part, or one that starts late.
+  """
+  engine: Optional[str] = None
+  row_align: int = 128
+  max_recv_rows: Optional[int] = None
+  out_dtype: str = "bf16"
+  swiglu_limit: Optional[float] = None
+  timeout_s: float = 60.0
+  fault_absent_rank: int = -1
+  fault_delay_rank: int = -1
+  fault_delay_ms: int = 0
+
+  def __post_init__(self):
+    if self.engine is not None and self.engine not in ENGINES:
+      raise ValueError(f"Stage1Config.engine must be one of {ENGINES} or None, got {self.engine!r}")
+    if not isinstance(self.row_align, int) or self.row_align < 1:
+      raise ValueError(f"Stage1Config.row_align must be a positive int, got {self.row_align!r}")
+    if self.max_recv_rows is not None and (not isinstance(self.max_recv_rows, int)
+                                           or self.max_recv_rows < 1):
+      raise ValueError(
+          f"Stage1Config.max_recv_rows must be a positive int or None, got {self.max_recv_rows!r}")
+    if self.out_dtype not in OUT_DTYPES:
+      raise ValueError(f"Stage1Config.out_dtype must be one of {OUT_DTYPES}, got {self.out_dtype!r}")
+    if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+      raise ValueError(f"Stage1Config.swiglu_limit must be None or > 0, got {self.swiglu_limit!r}")
+    if not self.timeout_s > 0:
+      raise ValueError(f"Stage1Config.timeout_s must be > 0, got {self.timeout_s!r}")

@@ -1,0 +1,40 @@
+"""The §4 layout of the landed rows: the one Python definition, used by the reference, the `xla`
+engine and the tests (kernels/cpu/stage.h `landing_layout` is its C++ twin)."""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax.numpy as jnp
+
+BLOCK = 32  # MX block: elements per e8m0 scale
+
+
+def m_cap(num_ranks: int, tokens: int, topk: int, experts_per_rank: int, row_align: int,
+          max_recv_rows: Optional[int] = None) -> int:
+  """Landing capacity per rank: the dropless worst case R*T*min(K, EL) + EL*(row_align-1)."""
+  if max_recv_rows is not None:
+    return max_recv_rows
+  return num_ranks * tokens * min(topk, experts_per_rank) + experts_per_rank * (row_align - 1)
+
+
+def send_rows(tokens: int, topk: int) -> int:
+  """Rows of a source's send buffer: one per (token, slot) at most."""
+  return tokens * topk
+
+
+class Layout(NamedTuple):
+  offsets: jnp.ndarray   # [..., EL] start of each local expert, clipped to m_cap
+  counts: jnp.ndarray    # [..., EL] rows kept (clipped so none lies at or past m_cap)
+  unclipped: jnp.ndarray  # [..., EL] aligned start before clipping
+  dropped: jnp.ndarray   # [...] rows that did not fit
+
+
+def landing_layout(total: jnp.ndarray, row_align: int, cap: int) -> Layout:
+  """total [..., EL] rows per local expert -> where they land (§4)."""
+  total = total.astype(jnp.int32)
+  aligned = (total + row_align - 1) // row_align * row_align
+  start = jnp.cumsum(aligned, axis=-1) - aligned
+  offsets = jnp.minimum(start, cap)
+  counts = jnp.clip(total, 0, cap - offsets)
+  return Layout(offsets.astype(jnp.int32), counts.astype(jnp.int32), start.astype(jnp.int32),
+                (total.sum(-1) - counts.sum(-1)).astype(jnp.int32))

@@ -1,0 +1,194 @@
+"""Pure-jnp reference of DESIGN.md §3 (MX-fp8, byte-exact) and §4 (Stage1 layout).
+
+Every kernel is checked against these functions. They favour being obviously right over speed:
+the whole Stage1 of all R ranks is computed on one device, with no collective.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .layout import BLOCK, landing_layout
+from .types import MXFP8, Landed, QuantizedW1, Route, SendBuffer
+
+INV_448 = np.uint32(0x3B124925).view(np.float32)  # float32(1/448), DESIGN.md §3 step 2
+SCALE_NAN = 0xFF
+VALUE_NAN = 0x7F
+F8 = jnp.float8_e4m3fn
+
+
+def _check_last_dim(x, what="x"):
+  if x.ndim < 1 or x.shape[-1] % BLOCK:
+    raise ValueError(f"{what}: last dimension must be a multiple of {BLOCK}, got shape {x.shape}")
+
+
+def quantize(x: jax.Array) -> MXFP8:
+  """MX-fp8 along the last axis: (values float8_e4m3fn [..., N], scales uint8 [..., N/32])."""
+  x = jnp.asarray(x)
+  _check_last_dim(x)
+  n = x.shape[-1]
+  xf = x.astype(jnp.float32).reshape(*x.shape[:-1], n // BLOCK, BLOCK)
+  finite = jnp.all(jnp.isfinite(xf), axis=-1)
+  amax = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1), jnp.float32(1e-10))
+  w = lax.bitcast_convert_type(amax * INV_448, jnp.uint32)
+  e = ((w >> 23) & 0xFF) + ((w & 0x7FFFFF) != 0).astype(jnp.uint32)
+  mul = lax.bitcast_convert_type((jnp.uint32(254) - e) << 23, jnp.float32)
+  y = lax.bitcast_convert_type((xf * mul[..., None]).astype(F8), jnp.uint8)
+  y = jnp.where(finite[..., None], y, jnp.uint8(VALUE_NAN))
+  e = jnp.where(finite, e, SCALE_NAN).astype(jnp.uint8)
+  return MXFP8(lax.bitcast_convert_type(y, F8).reshape(x.shape), e)
+
+
+def dequantize(values: jax.Array, scales: jax.Array) -> jax.Array:
+  """float32 values * 2^(e - 127), exact."""
+  n = values.shape[-1]
+  v = values.astype(jnp.float32).reshape(*values.shape[:-1], n // BLOCK, BLOCK)
+  s = lax.bitcast_convert_type(scales.astype(jnp.uint32) << 23, jnp.float32)
+  return (v * s[..., None]).reshape(values.shape)
+
+
+def quantize_w1(w1: jax.Array) -> QuantizedW1:
+  """w1 [E, 2I, H] -> MX-fp8 along H."""
+  if w1.ndim != 3 or w1.shape[1] % 2:
+    raise ValueError(f"w1 must be [E, 2I, H], got shape {w1.shape}")
+  return QuantizedW1(*quantize(w1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-stage references (one source rank, or one destination rank)
+
+
+def route(ids: jax.Array, num_ranks: int, experts_per_rank: int) -> Route:
+  """Send counts per (destination, local expert) and each (token, slot)'s send row."""
+  E = num_ranks * experts_per_rank
+  flat = ids.reshape(-1)
+  valid = (flat >= 0) & (flat < E)
+  onehot = (flat[:, None] == jnp.arange(E)[None, :]) & valid[:, None]
+  counts = onehot.sum(0).astype(jnp.int32)
+  seg_start = jnp.cumsum(counts) - counts
+  rank_in_seg = jnp.sum((jnp.cumsum(onehot, 0) - 1) * onehot, axis=1)
+  pos = jnp.where(valid, seg_start[jnp.clip(flat, 0, E - 1)] + rank_in_seg, -1)
+  return Route(counts.reshape(num_ranks, experts_per_rank), pos.reshape(ids.shape).astype(jnp.int32),
+               jnp.sum(flat >= E).astype(jnp.int32))
+
+
+def pack(x: MXFP8, weights: jax.Array, send_pos: jax.Array) -> SendBuffer:
+  """The send buffer: row send_pos[t, k] holds token t's quantised row; unused rows 0 / -1."""
+  T, K = send_pos.shape
+  S = T * K
+  pos = send_pos.reshape(-1)
+  idx = jnp.where(pos >= 0, pos, S)  # S: out of range, dropped
+  tok = jnp.repeat(jnp.arange(T, dtype=jnp.int32), K)
+  slot = jnp.tile(jnp.arange(K, dtype=jnp.int32), T)
+  vbytes = lax.bitcast_convert_type(x.values, jnp.uint8)
+  values = jnp.zeros((S, x.values.shape[-1]), jnp.uint8).at[idx].set(vbytes[tok], mode="drop")
+  scales = jnp.zeros((S, x.scales.shape[-1]), jnp.uint8).at[idx].set(x.scales[tok], mode="drop")
+  return SendBuffer(
+      lax.bitcast_convert_type(values, F8), scales,
+      jnp.full((S,), -1, jnp.int32).at[idx].set(tok, mode="drop"),
+      jnp.full((S,), -1, jnp.int32).at[idx].set(slot, mode="drop"),
+      jnp.zeros((S,), jnp.float32).at[idx].set(weights.reshape(-1).astype(jnp.float32), mode="drop"))
+
+
+def dispatch(x: MXFP8, ids: jax.Array, weights: jax.Array, num_experts: int, row_align: int,
+             cap: int) -> Landed:
+  """The landed rows of every rank, straight from §4: x [R, T, H], ids/weights [R, T, K].
+
+  Flattening (source rank, token, slot) gives exactly the §4 order inside an expert, so a row's
+  place is its expert's offset plus the number of earlier flat entries with the same expert.
+  Returns a Landed whose arrays have a leading [R] axis (the destination rank).
+  """
+  R, T, K = ids.shape
+  E = num_experts
+  EL = E // R
+  H = x.values.shape[-1]
+  flat = ids.reshape(-1)
+  valid = (flat >= 0) & (flat < E)
+  gid = jnp.clip(flat, 0, E - 1)
+  onehot = (flat[:, None] == jnp.arange(E)[None, :]) & valid[:, None]
+  total = onehot.sum(0).reshape(R, EL)
+  rank_in_expert = jnp.sum((jnp.cumsum(onehot, 0) - 1) * onehot, axis=1)
+  lay = landing_layout(total, row_align, cap)
+  pos = lay.unclipped.reshape(-1)[gid] + rank_in_expert
+  keep = valid & (pos < (lay.offsets + lay.counts).reshape(-1)[gid])
+  dest = gid // EL
+  idx = jnp.where(keep, dest * cap + pos, R * cap)
+  q = jnp.arange(R * T * K)
+  src, tok, slot = q // (T * K), (q // K) % T, q % K
+  vbytes = lax.bitcast_convert_type(x.values, jnp.uint8).reshape(R * T, H)
+  scales = x.scales.reshape(R * T, -1)
+  row = src * T + tok
+
+  def scatter(fill, upd, shape=()):
+    return jnp.full((R * cap, *shape), fill, upd.dtype).at[idx].set(upd, mode="drop")
+
+  values = scatter(0, vbytes[row], (H,)).reshape(R, cap, H)
+  return Landed(
+      lax.bitcast_convert_type(values, F8),
+      scatter(0, scales[row], (scales.shape[-1],)).reshape(R, cap, -1),
+      scatter(-1, src.astype(jnp.int32)).reshape(R, cap),
+      scatter(-1, tok.astype(jnp.int32)).reshape(R, cap),
+      scatter(-1, slot.astype(jnp.int32)).reshape(R, cap),
+      scatter(0, weights.reshape(-1).astype(jnp.float32)).reshape(R, cap),
+      lay.offsets, lay.counts, lay.counts.sum(-1).astype(jnp.int32), lay.dropped)
+
+
+def swiglu(g: jax.Array, u: jax.Array, limit: Optional[float]) -> jax.Array:
+  if limit is not None:
+    g = jnp.minimum(g, jnp.float32(limit))
+    u = jnp.clip(u, -jnp.float32(limit), jnp.float32(limit))
+  return g / (1.0 + jnp.exp(-g)) * u
+
+
+def gemm1_f32(values: jax.Array, scales: jax.Array, expert_offsets: jax.Array,
+              expert_counts: jax.Array, w1: QuantizedW1, swiglu_limit: Optional[float]) -> jax.Array:
+  """float32 h [M_cap, I] of one rank: SwiGLU(deq(a) @ deq(w1[e]).T) per landed row, 0 elsewhere."""
+  M = values.shape[0]
+  EL, two_i, _ = w1.values.shape
+  I = two_i // 2
+  a = dequantize(values, scales)
+  w = dequantize(w1.values, w1.scales)
+  r = jnp.arange(M)
+  member = (r[None, :] >= expert_offsets[:, None]) & (
+      r[None, :] < (expert_offsets + expert_counts)[:, None])  # [EL, M]
+  a_e = jnp.where(member[:, :, None], a[None], 0.0)           # rows of expert e only
+  gu = jnp.einsum("emh,enh->mn", a_e, w, precision=lax.Precision.HIGHEST,
+                  preferred_element_type=jnp.float32)
+  h = swiglu(gu[:, :I], gu[:, I:], swiglu_limit)
+  return jnp.where(member.any(0)[:, None], h, 0.0)
+
+
+def finish_h(h: jax.Array, out_dtype: str):
+  """float32 h -> the output dtype: bf16 (round to nearest even) or MX-fp8 along I."""
+  return h.astype(jnp.bfloat16) if out_dtype == "bf16" else quantize(h)
+
+
+def stage1(x, ids: jax.Array, weights: Optional[jax.Array], w1: QuantizedW1, *, row_align: int,
+           cap: int, swiglu_limit: Optional[float] = None, out_dtype: str = "bf16",
+           return_f32: bool = False):
+  """Stage1 of all R ranks: x [R, T, H] bf16 (or MXFP8), ids/weights [R, T, K], w1 global [E, ...].
+
+  Returns a Stage1Output with a leading [R] axis (and the float32 h when return_f32).
+  """
+  from .types import Stage1Output
+  R, T, K = ids.shape
+  E = w1.values.shape[0]
+  EL = E // R
+  if weights is None:
+    weights = jnp.ones(ids.shape, jnp.float32)
+  xq = x if isinstance(x, MXFP8) else quantize(x)
+  landed = dispatch(xq, ids, weights, E, row_align, cap)
+  w_local = QuantizedW1(w1.values.reshape(R, EL, *w1.values.shape[1:]),
+                        w1.scales.reshape(R, EL, *w1.scales.shape[1:]))
+  h32 = jax.vmap(gemm1_f32, in_axes=(0, 0, 0, 0, 0, None))(
+      landed.values, landed.scales, landed.expert_offsets, landed.expert_counts, w_local,
+      swiglu_limit)
+  num_invalid = jnp.sum(ids >= E, axis=(1, 2)).astype(jnp.int32)
+  out = Stage1Output(finish_h(h32, out_dtype), landed.expert_offsets, landed.expert_counts,
+                     landed.src_rank, landed.src_token, landed.topk_slot, landed.topk_weight,
+                     landed.num_rows, num_invalid, landed.overflow)
+  return (out, h32) if return_f32 else out

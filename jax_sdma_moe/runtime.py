@@ -1,0 +1,89 @@
+"""Runtime: what a Stage1 engine needs across calls (the mesh axis, the engine, its windows)."""
+from __future__ import annotations
+
+import threading
+
+import jax
+from jax.sharding import Mesh
+
+from . import primitives
+from .config import Stage1Config
+
+# engine -> platforms it runs on, and the engines built so far
+_ENGINE_PLATFORMS = {"cpu": ("cpu",), "xla": ("cpu", "cuda", "rocm"), "ce": ("cuda",),
+                     "sm": ("cuda",), "sdma": ("rocm",)}
+_BUILT_ENGINES = ("cpu", "xla")
+
+
+def mesh_platform(mesh: Mesh) -> str:
+  dev = mesh.devices.flat[0]
+  if dev.platform == "gpu":
+    return "rocm" if "rocm" in getattr(dev.client, "platform_version", "").lower() else "cuda"
+  return dev.platform
+
+
+class Runtime:
+  """Create once, outside jit, for a mesh axis; pass to every stage1() call on that axis.
+
+  With the `cpu` engine it owns symmetric landing windows (two parity slots per rank, sized at the
+  first call of each shape) in a process-global table; close() frees them. Calls on one Runtime
+  must run in the same order on every rank (they do under shard_map).
+  """
+
+  def __init__(self, mesh: Mesh, axis_name: str = "ep", config: Stage1Config = Stage1Config()):
+    if not isinstance(mesh, Mesh):
+      raise TypeError(f"Runtime: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if axis_name not in mesh.axis_names:
+      raise ValueError(f"Runtime: axis {axis_name!r} is not in the mesh axes {mesh.axis_names}")
+    if not isinstance(config, Stage1Config):
+      raise TypeError(f"Runtime: config must be a Stage1Config, got {type(config).__name__}")
+    self.mesh = mesh
+    self.axis_name = axis_name
+    self.num_ranks = int(mesh.shape[axis_name])
+    self.platform = mesh_platform(mesh)
+    engine = config.engine or ("cpu" if self.platform == "cpu" else "xla")
+    if self.platform not in _ENGINE_PLATFORMS[engine]:
+      raise ValueError(f"Runtime: engine {engine!r} runs on {_ENGINE_PLATFORMS[engine]}, "
+                       f"but the mesh is on {self.platform!r}")
+    if engine not in _BUILT_ENGINES:
+      raise NotImplementedError(f"Runtime: engine {engine!r} is not built yet in this version "
+                                f"(built: {_BUILT_ENGINES})")
+    if not -1 <= config.fault_absent_rank < self.num_ranks or not (
+        -1 <= config.fault_delay_rank < self.num_ranks):
+      raise ValueError("Runtime: fault_*_rank must be -1 or a rank of the axis")
+    self.engine = engine
+    self.config = config
+    self._lock = threading.Lock()
+    self._id = None
+    if engine == "cpu":
+      primitives.registered_platforms()
+      self._id = primitives._extension().runtime_create(self.num_ranks)
+
+  @property
+  def runtime_id(self) -> int:
+    if self._id is None:
+      raise ValueError("Runtime is closed" if self.engine == "cpu" else
+                       f"engine {self.engine!r} has no windows")
+    return self._id
+
+  def close(self):
+    with self._lock:
+      if self._id is not None:
+        primitives._extension().runtime_destroy(self._id)
+        self._id = None
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+  def __del__(self):
+    try:
+      self.close()
+    except Exception:  # interpreter shutdown
+      pass
+
+  def __repr__(self):
+    return (f"Runtime(axis={self.axis_name!r}, ranks={self.num_ranks}, platform={self.platform!r}, "
+            f"engine={self.engine!r})")

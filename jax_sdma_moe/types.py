@@ -1,0 +1,70 @@
+"""Pytrees of the public API."""
+from __future__ import annotations
+
+from typing import NamedTuple, Union
+
+import jax
+
+
+class MXFP8(NamedTuple):
+  """MX-fp8 tensor: values float8_e4m3fn [..., N], e8m0 scales uint8 [..., N // 32]."""
+  values: jax.Array
+  scales: jax.Array
+
+
+class QuantizedW1(NamedTuple):
+  """MX-fp8 w1: values [E, 2I, H] (rows [0, I) gate, [I, 2I) up), scales [E, 2I, H // 32]."""
+  values: jax.Array
+  scales: jax.Array
+
+
+class Stage1Output(NamedTuple):
+  """Stage1 result of one rank (DESIGN.md §2, §4); static capacity M_cap rows.
+
+  h: [M_cap, I] bfloat16, or MXFP8 when out_dtype="mxfp8". Padding rows are 0.
+  expert_offsets, expert_counts: [EL] int32; local expert e owns rows
+    [expert_offsets[e], expert_offsets[e] + expert_counts[e]).
+  src_rank, src_token, topk_slot: [M_cap] int32 (-1 on padding rows); topk_weight [M_cap] f32.
+  num_rows: rows landed here. num_invalid: ids >= E among this rank's own tokens (no row made).
+  overflow: rows routed here that did not fit M_cap (0 when dropless).
+  """
+  h: Union[jax.Array, MXFP8]
+  expert_offsets: jax.Array
+  expert_counts: jax.Array
+  src_rank: jax.Array
+  src_token: jax.Array
+  topk_slot: jax.Array
+  topk_weight: jax.Array
+  num_rows: jax.Array
+  num_invalid: jax.Array
+  overflow: jax.Array
+
+
+class SendBuffer(NamedTuple):
+  """A source rank's rows, grouped by (destination, local expert) (output of qpack / pack)."""
+  values: jax.Array   # [S, H] float8_e4m3fn
+  scales: jax.Array   # [S, H // 32] uint8
+  token: jax.Array    # [S] int32, -1 on unused rows
+  slot: jax.Array     # [S] int32
+  weight: jax.Array   # [S] float32
+
+
+class Route(NamedTuple):
+  """Output of route for one source rank."""
+  send_counts: jax.Array  # [R, EL] int32 rows to (destination, local expert)
+  send_pos: jax.Array     # [T, K] int32 row of (token, slot) in the send buffer, -1 if none
+  num_invalid: jax.Array  # [] int32 ids >= E
+
+
+class Landed(NamedTuple):
+  """Rows landed on one rank in §4 layout (output of dispatch)."""
+  values: jax.Array          # [M_cap, H] float8_e4m3fn, 0 on padding rows
+  scales: jax.Array          # [M_cap, H // 32] uint8, 0 on padding rows
+  src_rank: jax.Array        # [M_cap] int32
+  src_token: jax.Array       # [M_cap] int32
+  topk_slot: jax.Array       # [M_cap] int32
+  topk_weight: jax.Array     # [M_cap] float32
+  expert_offsets: jax.Array  # [EL] int32
+  expert_counts: jax.Array   # [EL] int32
+  num_rows: jax.Array        # [] int32
+  overflow: jax.Array        # [] int32

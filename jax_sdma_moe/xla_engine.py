@@ -1,0 +1,70 @@
+"""The `xla` dispatch engine: the §4 landing through XLA collectives only.
+
+On GPUs the rows travel with `ragged_all_to_all` (exact sizes); on CPU, where XLA does not
+implement it, an `all_to_all` of fixed-size chunks (one per destination, T*K rows each) emulates
+it. Either way each rank receives its rows source-major and places them in §4 order locally.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .layout import landing_layout
+from .types import Landed, SendBuffer
+
+F8 = jnp.float8_e4m3fn
+
+
+def _exclusive_cumsum(x, axis=-1):
+  return jnp.cumsum(x, axis=axis) - x
+
+
+def dispatch(send: SendBuffer, send_counts: jax.Array, *, axis_name: str, num_ranks: int, cap: int,
+             row_align: int, ragged: bool) -> Landed:
+  R = num_ranks
+  S, H = send.values.shape
+  me = lax.axis_index(axis_name)
+  counts_all = lax.all_gather(send_counts, axis_name)          # [R src, R dst, EL]
+  mine = counts_all[:, me, :]                                  # [R src, EL] rows each source sends me
+  # one uint8 payload row: values | scales | token, slot, weight (as bytes)
+  headers = jnp.stack([send.token, send.slot, lax.bitcast_convert_type(send.weight, jnp.int32)], -1)
+  payload = jnp.concatenate([
+      lax.bitcast_convert_type(send.values, jnp.uint8), send.scales,
+      lax.bitcast_convert_type(headers, jnp.uint8).reshape(S, 12)], axis=-1)
+  per_dest = send_counts.sum(-1)                               # [R]
+  dest_start = _exclusive_cumsum(per_dest)
+  recv_n = mine.sum(-1)                                        # [R src]
+  if ragged:
+    recv_start = _exclusive_cumsum(recv_n)
+    # where my chunk goes in each destination's buffer: after the chunks of lower source ranks
+    out_off = jnp.sum(jnp.where(jnp.arange(R)[:, None] < me, counts_all.sum(-1), 0), axis=0)
+    recv = lax.ragged_all_to_all(payload, jnp.zeros((R * S, payload.shape[-1]), jnp.uint8),
+                                 dest_start, per_dest, out_off, recv_n, axis_name=axis_name)
+  else:
+    recv_start = jnp.arange(R) * S
+    idx = jnp.clip(dest_start[:, None] + jnp.arange(S)[None, :], 0, S - 1)
+    recv = lax.all_to_all(payload[idx], axis_name, 0, 0).reshape(R * S, -1)
+  # each received row: its source s, its index j in s's chunk, its local expert e
+  q = jnp.arange(R * S)
+  s = jnp.clip(jnp.searchsorted(recv_start, q, side="right") - 1, 0, R - 1)
+  j = q - recv_start[s]
+  seg_end = jnp.cumsum(mine, -1)                               # [R src, EL]
+  e = jnp.sum(seg_end[s] <= j[:, None], axis=-1)
+  valid = j < recv_n[s]
+  e = jnp.minimum(e, mine.shape[-1] - 1)
+  lay = landing_layout(mine.sum(0), row_align, cap)
+  before_me = _exclusive_cumsum(mine, axis=0)                  # rows of lower sources, per expert
+  pos = lay.unclipped[e] + before_me[s, e] + (j - (seg_end - mine)[s, e])
+  keep = valid & (pos < lay.offsets[e] + lay.counts[e])
+  idx = jnp.where(keep, pos, cap)
+  landed = jnp.zeros((cap, payload.shape[-1]), jnp.uint8).at[idx].set(recv, mode="drop")
+  hdr = lax.bitcast_convert_type(landed[:, -12:].reshape(cap, 3, 4), jnp.int32)
+  hs = H // 32
+  landed_row = jnp.zeros((cap,), bool).at[idx].set(True, mode="drop")
+  return Landed(
+      lax.bitcast_convert_type(landed[:, :H], F8), landed[:, H:H + hs],
+      jnp.full((cap,), -1, jnp.int32).at[idx].set(s.astype(jnp.int32), mode="drop"),
+      jnp.where(landed_row, hdr[:, 0], -1), jnp.where(landed_row, hdr[:, 1], -1),
+      lax.bitcast_convert_type(hdr[:, 2], jnp.float32),
+      lay.offsets, lay.counts, lay.counts.sum().astype(jnp.int32), lay.dropped)

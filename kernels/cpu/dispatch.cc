@@ -1,0 +1,240 @@
+#include "dispatch.h"
+
+#include <chrono>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <tuple>
+
+namespace jsm {
+
+bool DispatchGeometry::operator<(const DispatchGeometry& o) const {
+  return std::tie(R, EL, H, m_cap, send_rows) < std::tie(o.R, o.EL, o.H, o.m_cap, o.send_rows);
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Slot {
+  std::vector<uint8_t> values, scales;
+  std::vector<int32_t> src_rank, token, slot;
+  std::vector<float> weight;
+  std::vector<int32_t> plan;                          // [R src][R dst][EL]
+  std::unique_ptr<std::atomic<uint64_t>[]> plan_flag;  // [R src]
+  std::unique_ptr<std::atomic<uint64_t>[]> seg_flag;   // [R src][EL]
+
+  explicit Slot(const DispatchGeometry& g)
+      : values(static_cast<size_t>(g.m_cap * g.H)),
+        scales(static_cast<size_t>(g.m_cap * g.H / kBlock)),
+        src_rank(static_cast<size_t>(g.m_cap)),
+        token(static_cast<size_t>(g.m_cap)),
+        slot(static_cast<size_t>(g.m_cap)),
+        weight(static_cast<size_t>(g.m_cap)),
+        plan(static_cast<size_t>(g.R * g.R * g.EL)),
+        plan_flag(new std::atomic<uint64_t>[size_t(g.R)]),
+        seg_flag(new std::atomic<uint64_t>[size_t(g.R * g.EL)]) {
+    for (int64_t i = 0; i < g.R; ++i) plan_flag[i].store(0);
+    for (int64_t i = 0; i < g.R * g.EL; ++i) seg_flag[i].store(0);
+  }
+};
+
+struct RankWindow {
+  Slot slots[2];
+  uint64_t epoch = 0;  // touched only by this rank's own calls, which run in program order
+  explicit RankWindow(const DispatchGeometry& g) : slots{Slot(g), Slot(g)} {}
+};
+
+using Windows = std::vector<std::unique_ptr<RankWindow>>;
+
+struct Runtime {
+  int64_t R;
+  std::mutex mu;
+  std::map<DispatchGeometry, std::shared_ptr<Windows>> windows;
+};
+
+std::mutex g_registry_mu;
+std::map<int64_t, std::shared_ptr<Runtime>> g_registry;
+int64_t g_next_id = 1;
+
+std::shared_ptr<Windows> windows_for(int64_t runtime_id, const DispatchGeometry& g,
+                                     std::string* err) {
+  std::shared_ptr<Runtime> rt;
+  {
+    std::lock_guard<std::mutex> lock(g_registry_mu);
+    auto it = g_registry.find(runtime_id);
+    if (it != g_registry.end()) rt = it->second;
+  }
+  if (!rt) {
+    *err = "unknown or closed Runtime (id " + std::to_string(runtime_id) + ")";
+    return nullptr;
+  }
+  if (rt->R != g.R) {
+    *err = "Runtime has " + std::to_string(rt->R) + " ranks but the call has " +
+           std::to_string(g.R);
+    return nullptr;
+  }
+  std::lock_guard<std::mutex> lock(rt->mu);
+  auto& w = rt->windows[g];
+  if (!w) {
+    w = std::make_shared<Windows>();
+    for (int64_t r = 0; r < g.R; ++r) w->push_back(std::make_unique<RankWindow>(g));
+  }
+  return w;
+}
+
+// Spin, then sleep briefly: the R device threads may share very few cores.
+template <class Pred>
+bool wait_until(Pred ready, Clock::time_point deadline) {
+  for (int64_t i = 0;; ++i) {
+    if (ready()) return true;
+    if (Clock::now() > deadline) return ready();
+    if (i < 64)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+std::string timeout_message(int64_t rank, int64_t peer, const std::string& what, uint64_t epoch,
+                            double timeout_s) {
+  return "jax_sdma_moe dispatch (cpu engine): rank " + std::to_string(rank) + " timed out after " +
+         std::to_string(timeout_s) + " s waiting for " + what + " from peer rank " +
+         std::to_string(peer) + " (epoch " + std::to_string(epoch) +
+         "); the peer did not arrive. The Runtime's windows are now out of step: create a new "
+         "Runtime.";
+}
+
+void copy_rows(const Slot& from, int64_t src, const LandedView& to, int64_t dst, int64_t n,
+               const DispatchGeometry& g) {
+  const int64_t HS = g.H / kBlock;
+  std::memcpy(to.values + dst * g.H, from.values.data() + src * g.H, size_t(n * g.H));
+  std::memcpy(to.scales + dst * HS, from.scales.data() + src * HS, size_t(n * HS));
+  std::copy_n(from.src_rank.data() + src, n, to.src_rank + dst);
+  std::copy_n(from.token.data() + src, n, to.token + dst);
+  std::copy_n(from.slot.data() + src, n, to.slot + dst);
+  std::copy_n(from.weight.data() + src, n, to.weight + dst);
+}
+
+void zero_outputs(const DispatchGeometry& g, const LandedView& out) {
+  std::memset(out.values, 0, size_t(g.m_cap * g.H));
+  std::memset(out.scales, 0, size_t(g.m_cap * g.H / kBlock));
+  std::fill_n(out.src_rank, g.m_cap, -1);
+  std::fill_n(out.token, g.m_cap, -1);
+  std::fill_n(out.slot, g.m_cap, -1);
+  std::fill_n(out.weight, g.m_cap, 0.0f);
+  std::fill_n(out.expert_offsets, g.EL, 0);
+  std::fill_n(out.expert_counts, g.EL, 0);
+  *out.num_rows = 0;
+  *out.overflow = 0;
+}
+
+}  // namespace
+
+int64_t runtime_create(int64_t num_ranks) {
+  auto rt = std::make_shared<Runtime>();
+  rt->R = num_ranks;
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  int64_t id = g_next_id++;
+  g_registry[id] = rt;
+  return id;
+}
+
+void runtime_destroy(int64_t runtime_id) {
+  std::lock_guard<std::mutex> lock(g_registry_mu);
+  g_registry.erase(runtime_id);
+}
+
+std::string dispatch_cpu(int64_t runtime_id, int64_t rank, const DispatchGeometry& g,
+                         const DispatchOptions& opt, const SendView& send, const LandedView& out) {
+  const int64_t R = g.R, EL = g.EL, HS = g.H / kBlock;
+  if (rank < 0 || rank >= R) return "rank " + std::to_string(rank) + " out of range";
+  if (rank == opt.fault_absent_rank) {
+    zero_outputs(g, out);
+    return "";
+  }
+  if (rank == opt.fault_delay_rank)
+    std::this_thread::sleep_for(std::chrono::milliseconds(opt.fault_delay_ms));
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(opt.timeout_s));
+  std::string err;
+  auto windows = windows_for(runtime_id, g, &err);
+  if (!windows) return "jax_sdma_moe dispatch (cpu engine): " + err;
+  Windows& W = *windows;
+  const uint64_t epoch = ++W[rank]->epoch;
+  const int parity = int(epoch & 1);
+
+  // 1. plan to every destination
+  for (int64_t d = 0; d < R; ++d) {
+    Slot& sd = W[d]->slots[parity];
+    std::memcpy(sd.plan.data() + rank * R * EL, send.counts, size_t(R * EL) * sizeof(int32_t));
+    sd.plan_flag[rank].store(epoch, std::memory_order_release);
+  }
+  // 2. every source's plan
+  Slot& me = W[rank]->slots[parity];
+  for (int64_t s = 0; s < R; ++s)
+    if (!wait_until([&] { return me.plan_flag[s].load(std::memory_order_acquire) >= epoch; },
+                    deadline))
+      return timeout_message(rank, s, "its plan (send counts)", epoch, opt.timeout_s);
+  const int32_t* plan = me.plan.data();  // plan[(s * R + d) * EL + e]
+
+  // 3. put each segment at its §4 offset, destinations starting after this rank
+  std::vector<int32_t> total(static_cast<size_t>(EL)), offsets(static_cast<size_t>(EL)), counts(static_cast<size_t>(EL));
+  int64_t send_row = 0;
+  std::vector<int64_t> seg_start(static_cast<size_t>(R * EL));
+  for (int64_t i = 0; i < R * EL; ++i) seg_start[i] = send_row, send_row += send.counts[i];
+  for (int64_t j = 0; j < R; ++j) {
+    const int64_t d = (rank + j) % R;
+    for (int64_t e = 0; e < EL; ++e) {
+      total[e] = 0;
+      for (int64_t s = 0; s < R; ++s) total[e] += plan[(s * R + d) * EL + e];
+    }
+    landing_layout(total.data(), EL, opt.row_align, g.m_cap, offsets.data(), counts.data());
+    Slot& sd = W[d]->slots[parity];
+    for (int64_t e = 0; e < EL; ++e) {
+      int64_t base = offsets[e];
+      for (int64_t s = 0; s < rank; ++s) base += plan[(s * R + d) * EL + e];
+      const int64_t n = send.counts[d * EL + e];
+      const int64_t keep = std::max<int64_t>(0, std::min<int64_t>(n, offsets[e] + counts[e] - base));
+      const int64_t from = seg_start[d * EL + e];
+      std::memcpy(sd.values.data() + base * g.H, send.values + from * g.H, size_t(keep * g.H));
+      std::memcpy(sd.scales.data() + base * HS, send.scales + from * HS, size_t(keep * HS));
+      std::fill_n(sd.src_rank.data() + base, keep, int32_t(rank));
+      std::copy_n(send.token + from, keep, sd.token.data() + base);
+      std::copy_n(send.slot + from, keep, sd.slot.data() + base);
+      std::copy_n(send.weight + from, keep, sd.weight.data() + base);
+      sd.seg_flag[rank * EL + e].store(epoch, std::memory_order_release);
+    }
+  }
+  // 4. every segment of every source, then read out
+  for (int64_t s = 0; s < R; ++s)
+    for (int64_t e = 0; e < EL; ++e)
+      if (!wait_until(
+              [&] { return me.seg_flag[s * EL + e].load(std::memory_order_acquire) >= epoch; },
+              deadline))
+        return timeout_message(rank, s, "its rows of local expert " + std::to_string(e), epoch,
+                               opt.timeout_s);
+  for (int64_t e = 0; e < EL; ++e) {
+    total[e] = 0;
+    for (int64_t s = 0; s < R; ++s) total[e] += plan[(s * R + rank) * EL + e];
+  }
+  const int64_t dropped =
+      landing_layout(total.data(), EL, opt.row_align, g.m_cap, out.expert_offsets,
+                     out.expert_counts);
+  int64_t rows = 0;
+  for (int64_t e = 0; e < EL; ++e) {
+    copy_rows(me, out.expert_offsets[e], out, out.expert_offsets[e], out.expert_counts[e], g);
+    rows += out.expert_counts[e];
+  }
+  for_each_padding_row(out.expert_offsets, out.expert_counts, EL, g.m_cap, [&](int64_t r) {
+    std::memset(out.values + r * g.H, 0, size_t(g.H));
+    std::memset(out.scales + r * HS, 0, size_t(HS));
+    out.src_rank[r] = out.token[r] = out.slot[r] = -1;
+    out.weight[r] = 0.0f;
+  });
+  *out.num_rows = int32_t(rows);
+  *out.overflow = int32_t(dropped);
+  return "";
+}
+
+}  // namespace jsm

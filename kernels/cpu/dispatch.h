@@ -1,0 +1,72 @@
+// The `cpu` dispatch engine: symmetric landing windows of the R virtual devices of one process in a
+// process-global table, rows moved by memcpy, and the same signal protocol the GPU engines use:
+//
+//   epoch n (1, 2, ...) of a (runtime, geometry) uses window slot n % 2 on every rank.
+//   1. plan:  source s writes its send counts [R][EL] into slot.plan[s] of every destination, then
+//             raises slot.plan_flag[s] = n there.
+//   2. wait until plan_flag[s] >= n for every s: now every rank knows the whole R x R x EL plan, so
+//             each source computes where its segments land in each destination (§4 order).
+//   3. data:  for each destination and local expert, put the segment at its landing offset and
+//             raise slot.seg_flag[s][e] = n there (a GEMM may start expert e once all R are up).
+//   4. wait until seg_flag[s][e] >= n for all s, e; read the landed rows out.
+// Two slots suffice: a source reaches epoch n + 2 only after receiving every peer's epoch n + 1
+// plan, which each peer sends after it has read out its epoch n slot. Every wait is bounded and
+// names rank, peer and segment on timeout.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "stage.h"
+
+namespace jsm {
+
+struct DispatchGeometry {
+  int64_t R, EL, H, m_cap, send_rows;
+  bool operator<(const DispatchGeometry& o) const;
+};
+
+struct DispatchOptions {
+  int64_t row_align;
+  double timeout_s;
+  int64_t fault_absent_rank;  // this rank never takes part (tests the timeout path)
+  int64_t fault_delay_rank;   // this rank starts late by fault_delay_ms
+  int64_t fault_delay_ms;
+};
+
+// A source rank's send buffer (from qpack/pack) and counts.
+struct SendView {
+  const uint8_t* values;
+  const uint8_t* scales;
+  const int32_t* token;
+  const int32_t* slot;
+  const float* weight;
+  const int32_t* counts;  // [R * EL]
+};
+
+// The landed rows of one rank in §4 layout.
+struct LandedView {
+  uint8_t* values;
+  uint8_t* scales;
+  int32_t* src_rank;
+  int32_t* token;
+  int32_t* slot;
+  float* weight;
+  int32_t* expert_offsets;
+  int32_t* expert_counts;
+  int32_t* num_rows;
+  int32_t* overflow;
+};
+
+// Process-global runtimes, created by Runtime() in Python and freed by Runtime.close().
+int64_t runtime_create(int64_t num_ranks);
+void runtime_destroy(int64_t runtime_id);
+
+// Runs the protocol above for `rank`. Returns "" on success, else an error message.
+std::string dispatch_cpu(int64_t runtime_id, int64_t rank, const DispatchGeometry& g,
+                         const DispatchOptions& opt, const SendView& send, const LandedView& out);
+
+}  // namespace jsm
