@@ -170,7 +170,27 @@ ffi::Error Gemm1Impl(ffi::AnyBuffer a_values, ffi::AnyBuffer a_scales,
   return ffi::Error::Success();
 }
 
+// stage1(check=True): the overflow count passes through, and a non-zero one fails the call.
+ffi::Error CheckOverflowImpl(S32Scalar overflow, S32Scalar rank, ffi::Result<S32Scalar> out,
+                             int64_t cap) {
+  const int32_t n = *overflow.typed_data();
+  *out->typed_data() = n;
+  if (n > 0)
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      "jax_sdma_moe.stage1: " + std::to_string(n) + " rows routed to rank " +
+                          std::to_string(*rank.typed_data()) + " did not fit M_cap = " +
+                          std::to_string(cap) + "; raise Stage1Config.max_recv_rows");
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmCheckOverflowCpu, CheckOverflowImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<S32Scalar>()
+                                  .Arg<S32Scalar>()
+                                  .Ret<S32Scalar>()
+                                  .Attr<int64_t>("cap"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmQuantizeCpu, QuantizeImpl,
                               ffi::Ffi::Bind()

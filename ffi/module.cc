@@ -26,6 +26,7 @@ PYBIND11_MODULE(_jsm_ffi, m) {
     d["pack"] = encapsulate(JsmPackCpu);
     d["dispatch"] = encapsulate(JsmDispatchCpu);
     d["gemm1"] = encapsulate(JsmGemm1Cpu);
+    d["check_overflow"] = encapsulate(JsmCheckOverflowCpu);
     return d;
   });
   m.def("runtime_create", &jsm::runtime_create, py::arg("num_ranks"));

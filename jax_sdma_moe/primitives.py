@@ -20,8 +20,9 @@ from .types import MXFP8, Landed, Route, SendBuffer
 
 F8 = jnp.float8_e4m3fn
 TARGET_PREFIX = "jsm_"
-STAGES = ("quantize", "route", "qpack", "pack", "dispatch", "gemm1")
-COMMUNICATING = frozenset({"dispatch"})
+STAGES = ("quantize", "route", "qpack", "pack", "dispatch", "gemm1", "check_overflow")
+# calls XLA must neither drop nor merge
+SIDE_EFFECTS = frozenset({"dispatch", "check_overflow"})
 
 
 @functools.cache
@@ -60,7 +61,7 @@ def _make(stage: str, abstract_eval, attrs: Sequence[str] = ()):
   prim.def_abstract_eval(abstract_eval)
   # eager calls run the primitive as a one-op jit
   prim.def_impl(lambda *args, **params: jax.jit(functools.partial(prim.bind, **params))(*args))
-  rule = jax.ffi.ffi_lowering(TARGET_PREFIX + stage, has_side_effect=stage in COMMUNICATING)
+  rule = jax.ffi.ffi_lowering(TARGET_PREFIX + stage, has_side_effect=stage in SIDE_EFFECTS)
 
   def lowering(ctx, *args, **params):
     return rule(ctx, *args, **{k: params[k] for k in attrs})
@@ -166,3 +167,14 @@ def gemm1(landed_values: jax.Array, landed_scales: jax.Array, expert_offsets: ja
                has_limit=np.bool_(swiglu_limit is not None),
                swiglu_limit=np.float32(swiglu_limit or 0.0))
   return MXFP8(*outs) if out_dtype == "mxfp8" else outs[0]
+
+
+# --- check_overflow (stage1(check=True)) -----------------------------------------------------
+
+_check_overflow_p = _make("check_overflow", lambda overflow, rank, *, cap: (
+    _aval((), jnp.int32),), ("cap",))
+
+
+def check_overflow(overflow: jax.Array, rank: jax.Array, cap: int) -> jax.Array:
+  """Passes `overflow` through; the call fails at run time, naming the rank, if it is > 0."""
+  return _bind(_check_overflow_p, overflow, rank.astype(jnp.int32), cap=np.int64(cap))[0]

@@ -177,6 +177,8 @@ def stage1(x, ids: jax.Array, weights: Optional[jax.Array], w1: QuantizedW1, *, 
   from .types import Stage1Output
   R, T, K = ids.shape
   E = w1.values.shape[0]
+  if E % R:
+    raise ValueError(f"reference.stage1: E = {E} is not a multiple of R = {R}")
   EL = E // R
   if weights is None:
     weights = jnp.ones(ids.shape, jnp.float32)

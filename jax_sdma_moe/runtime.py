@@ -22,6 +22,16 @@ def mesh_platform(mesh: Mesh) -> str:
   return dev.platform
 
 
+def _wait_for_mesh(mesh: Mesh):
+  devices = set(mesh.devices.flat)
+  for a in jax.live_arrays():
+    try:
+      if devices & set(a.devices()):
+        a.block_until_ready()
+    except Exception:  # a failed or deleted computation: nothing left in flight for it
+      pass
+
+
 class Runtime:
   """Create once, outside jit, for a mesh axis; pass to every stage1() call on that axis.
 
@@ -59,6 +69,16 @@ class Runtime:
       primitives.registered_platforms()
       self._id = primitives._extension().runtime_create(self.num_ranks)
 
+  def shard_w1(self, w1q):
+    """Places QuantizedW1 [E, 2I, H] on the mesh, E/R experts per rank along the axis."""
+    from jax.sharding import NamedSharding, PartitionSpec
+    E = w1q.values.shape[0]
+    if E % self.num_ranks:
+      raise ValueError(f"shard_w1: E = {E} experts is not a multiple of the {self.num_ranks} ranks "
+                       f"of axis {self.axis_name!r}")
+    spec = NamedSharding(self.mesh, PartitionSpec(self.axis_name))
+    return jax.tree.map(lambda a: jax.device_put(a, spec), w1q)
+
   @property
   def runtime_id(self) -> int:
     if self._id is None:
@@ -67,10 +87,14 @@ class Runtime:
     return self._id
 
   def close(self):
+    """Frees the windows once every call already enqueued on the mesh has finished (a call still
+    in flight would otherwise find its windows gone)."""
     with self._lock:
-      if self._id is not None:
-        primitives._extension().runtime_destroy(self._id)
-        self._id = None
+      if self._id is None:
+        return
+      _wait_for_mesh(self.mesh)
+      primitives._extension().runtime_destroy(self._id)
+      self._id = None
 
   def __enter__(self):
     return self
