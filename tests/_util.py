@@ -4,7 +4,6 @@ import sys
 
 # Must precede the first jax import: XLA sizes the host platform when the backend starts.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
