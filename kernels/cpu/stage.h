@@ -111,43 +111,47 @@ inline float swiglu(float g, float u, const Gemm1Problem& p) {
 // gemm1: h[row] = SwiGLU(deq(a[row]) @ deq(w[e]).T) for the landed rows of each local expert;
 // every other row is 0. Exact products of dequantised values, float32 accumulation. The output is
 // delivered a 32-column block at a time (one MX block) through `store(row, col0, h[32])`.
+// Blocking: w[e] is dequantised once into k-major panels of 32 gate + 32 up columns (a panel stays
+// in L2 while every row of the expert passes); MB rows x 64 columns of accumulators fill the
+// vector registers.
 template <class Store>
 void gemm1(const uint8_t* a_values, const uint8_t* a_scales, const int32_t* offsets,
            const int32_t* counts, const uint8_t* w_values, const uint8_t* w_scales,
            const Gemm1Problem& p, Store store) {
-  constexpr int MB = 4, NB = kBlock;
-  const int64_t H = p.H, I = p.I, HS = H / kBlock;
-  std::vector<float> wt(static_cast<size_t>(H * 2 * I));  // w[e] dequantised, k-major: wt[k][n]
+  constexpr int MB = 6, NB = kBlock, NP = 2 * NB;
+  const int64_t H = p.H, I = p.I, HS = H / kBlock, tiles = I / NB;
+  std::vector<float> panels(static_cast<size_t>(tiles * H * NP));  // [tile][k][gate 32 | up 32]
   std::vector<float> row(static_cast<size_t>(H));
-  std::vector<float> a(static_cast<size_t>(MB * H));
-  std::vector<float> h(static_cast<size_t>(NB));
+  std::vector<float> a;
+  float h[NB];
   for (int64_t e = 0; e < p.EL; ++e) {
     const int64_t off = offsets[e], cnt = counts[e];
     if (cnt == 0) continue;
     for (int64_t n = 0; n < 2 * I; ++n) {
       const int64_t wr = e * 2 * I + n;
       dequantize_row(w_values + wr * H, w_scales + wr * HS, H, row.data());
-      for (int64_t k = 0; k < H; ++k) wt[k * 2 * I + n] = row[k];
+      const int64_t col = n % I, t = col / NB, c = col % NB + (n >= I ? NB : 0);
+      for (int64_t k = 0; k < H; ++k) panels[(t * H + k) * NP + c] = row[k];
     }
-    for (int64_t m0 = 0; m0 < cnt; m0 += MB) {
-      const int mb = int(std::min<int64_t>(MB, cnt - m0));
-      for (int m = 0; m < mb; ++m)
-        dequantize_row(a_values + (off + m0 + m) * H, a_scales + (off + m0 + m) * HS, H,
-                       a.data() + m * H);
-      for (int64_t n0 = 0; n0 < I; n0 += NB) {
-        float g[MB][NB] = {}, u[MB][NB] = {};
+    a.assign(static_cast<size_t>((cnt + MB) * H), 0.0f);  // MB spare zero rows for the last block
+    for (int64_t m = 0; m < cnt; ++m)
+      dequantize_row(a_values + (off + m) * H, a_scales + (off + m) * HS, H, a.data() + m * H);
+    for (int64_t t = 0; t < tiles; ++t) {
+      const float* panel = panels.data() + t * H * NP;
+      for (int64_t m0 = 0; m0 < cnt; m0 += MB) {
+        float acc[MB][NP] = {};
+        const float* am = a.data() + m0 * H;
         for (int64_t k = 0; k < H; ++k) {
-          const float* wg = wt.data() + k * 2 * I + n0;
-          const float* wu = wg + I;
+          const float* wk = panel + k * NP;
           for (int m = 0; m < MB; ++m) {
-            const float av = a[m * H + k];
-            for (int n = 0; n < NB; ++n) g[m][n] += av * wg[n];
-            for (int n = 0; n < NB; ++n) u[m][n] += av * wu[n];
+            const float av = am[m * H + k];
+            for (int n = 0; n < NP; ++n) acc[m][n] += av * wk[n];
           }
         }
+        const int mb = int(std::min<int64_t>(MB, cnt - m0));
         for (int m = 0; m < mb; ++m) {
-          for (int n = 0; n < NB; ++n) h[n] = swiglu(g[m][n], u[m][n], p);
-          store(off + m0 + m, n0, h.data());
+          for (int n = 0; n < NB; ++n) h[n] = swiglu(acc[m][n], acc[m][NB + n], p);
+          store(off + m0 + m, t * NB, h);
         }
       }
     }
