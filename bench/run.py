@@ -8,14 +8,15 @@ For each shape and tokens/rank it builds fresh random inputs, checks every path'
   * JAX-native baselines: the jnp reference on one device, a capacity-based `all_to_all` + `einsum`
     path, and a dropless `all_to_all` + `ragged_dot` path (XLA:CPU has no `ragged_all_to_all`, so
     fixed-size chunks emulate it);
-  * the machine's ceilings (host memcpy bandwidth, float32 matmul rate), and the fraction of them
-    each path reaches.
+  * the machine's ceilings (host memcpy bandwidth; float32 and bfloat16 matmul rates), and the
+    fraction of them each path reaches.
 It prints a table, and writes JSON and (when matplotlib is importable) a PNG to --out.
 
-Usage (from the repository root):
-  python bench/run.py                                  # small shape, T = 128 and 1024, 8 CPU devices
+Usage (from the repository root; `python -m bench.run` works too):
+  python bench/run.py               # small shape, T = 128 and 1024, 8 CPU devices
   python bench/run.py --tokens 32 --iters 3 --warmup 1
-Only CPU is implemented; --gpu is reserved for the GPU rows (engines ce/sm/sdma/xla on real devices).
+Only CPU is implemented; --gpu is reserved for the GPU rows (engines ce/sm/sdma/xla on real devices:
+configure_platform, measure_ceilings and the default engines are the places that will branch).
 
 Timing: one call is the wall time of the whole SPMD program until `jax.block_until_ready`, i.e. the
 max over ranks in this single-process run; statistics are over --iters calls after --warmup more.
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 AXIS = "ep"
+GPU_NOT_YET = "bench/run.py: --gpu is not implemented yet (CPU rows only)"
 STAGES = ("route+qpack", "dispatch", "gemm1")
 
 
@@ -53,12 +55,19 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--warmup", type=int, default=3, help="untimed calls before timing")
   p.add_argument("--row-align", type=int, default=128, help="Stage1Config.row_align")
   p.add_argument("--capacity-factor", type=float, default=1.25,
-                 help="capacity of the all_to_all+einsum baseline, x mean rows per (source, expert)")
+                 help="all_to_all+einsum baseline: capacity / mean rows per (source, expert)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="bench/results", help="folder for the JSON and PNG")
   p.add_argument("--tag", default=None, help="output file name (default: the platform, 'cpu')")
   p.add_argument("--gpu", action="store_true", help="run on the local GPUs (not implemented yet)")
   return p
+
+
+def configure_platform(args) -> None:
+  """What must happen before jax is imported. CPU: the number of virtual devices."""
+  if args.gpu:
+    raise SystemExit(GPU_NOT_YET)
+  force_host_devices(args.devices)
 
 
 def force_host_devices(n: int) -> None:
@@ -69,12 +78,10 @@ def force_host_devices(n: int) -> None:
 
 
 if __name__ == "__main__":
-  # XLA fixes the number of host devices when jax creates its CPU backend, so the flag must be in the
-  # environment before jax is imported below.
+  # XLA fixes the number of host devices when jax creates its CPU backend, so the flag must be in
+  # the environment before jax is imported below.
   ARGS = build_parser().parse_args()
-  if ARGS.gpu:
-    sys.exit("bench/run.py: --gpu is not implemented yet (CPU rows only)")
-  force_host_devices(ARGS.devices)
+  configure_platform(ARGS)
 
 if importlib.util.find_spec("jax_sdma_moe") is None:  # run as a script from a source checkout
   sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -86,7 +93,7 @@ from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_sdma_moe as jsm  # noqa: E402
-from jax_sdma_moe import layout, primitives, reference, xla_engine  # noqa: E402
+from jax_sdma_moe import layout, primitives, reference  # noqa: E402
 
 # Stage1Output fields that are integers or copied floats: every engine must match the reference
 # exactly (DESIGN.md §4). h is compared within the §3 tolerance instead.
@@ -95,11 +102,13 @@ LAYOUT_FIELDS = ("expert_offsets", "expert_counts", "src_rank", "src_token", "to
 REL_TOL = 4e-3      # DESIGN.md §3: ||out - ref|| / ||ref|| per expert block
 MAX_ABS_TOL = 1e-2  # DESIGN.md §3: max |out - ref| <= MAX_ABS_TOL * max |ref|
 NOTES = (
-    "ms: median wall time of one call of the whole SPMD program (= max over ranks); JSON has min/p90.",
+    "ms: median wall time of one call of the whole SPMD program (= max over ranks); JSON has "
+    "min and p90.",
     "stage columns, each stage its own jitted shard_map: rt+qpack = route + qpack (JAX-native: "
     "route + bf16 pack), disp = dispatch (JAX-native: all_to_all), gemm1 = GEMM1 + SwiGLU.",
-    "GB/s: useful landed-row bytes / dispatch time (engines: H + H/32 + 12 bytes a row; JAX-native: "
-    "2H bf16 + 12 header bytes); padding rows are not counted.",
+    "GB/s: useful landed-row bytes / dispatch time (engines: H + H/32 + 12 bytes a row; "
+    "JAX-native: 2H bf16 + 12 header bytes); padding rows are not counted, so paths that move "
+    "fixed-size chunks (engine:xla on CPU, both a2a paths) move more bytes than credited.",
     "GFLOP/s: 2 * useful rows * H * 2I / gemm1 time, summed over ranks.",
     "%bw = (2 x row bytes / memcpy bw) / dispatch time (a copy reads and writes each byte); "
     "%mm = gemm1 GFLOP/s / matmul GFLOP/s of the path's arithmetic (engines: the CPU kernel's f32 "
@@ -108,8 +117,8 @@ NOTES = (
     "vs nat = fastest JAX-native stage1 ms / this path's stage1 ms (>1: faster than JAX-native).",
     "ragged_all_to_all + ragged_dot: n/a on CPU (XLA:CPU does not implement ragged_all_to_all); "
     "native:a2a+ragged_dot sends fixed T*min(K,EL)-row chunks per destination instead (dropless).",
-    "native:a2a+einsum: capacity C = ceil(cf * T*K/E) rows per (source, expert) - cf times the mean "
-    "- sent in bf16 with all_to_all, einsum per expert; rows past C are dropped (column 'drop').",
+    "native:a2a+einsum: capacity C = ceil(cf * T*K/E) rows per (source, expert) - cf times the "
+    "mean - sent in bf16 with all_to_all, einsum per expert; rows past C are dropped ('drop').",
     "native:jnp-reference: jax_sdma_moe.reference.stage1 jitted on one device (all ranks, no "
     "collective; a correctness reference, not a tuned path).",
     "JAX-native paths run on bf16 copies of the dequantised MX-fp8 inputs (exact in bf16), so they "
@@ -198,6 +207,7 @@ class BenchPath:
   row_bytes: Optional[int]     # bytes of one landed row on the wire, None: no wire
   compute_dtype: str           # the matmul ceiling that applies: "f32" or "bf16"
   check: Callable[..., int]    # check(out, ref, h32): raises CheckError; returns rows dropped
+  capacity: Optional[int] = None  # rows per (source, expert) of a capacity-based path
 
 
 class CheckError(AssertionError):
@@ -218,13 +228,8 @@ def engine_path(mesh, rt: jsm.Runtime, shape: jsm.MoEShape, cap: int, inputs, w1
     return primitives.qpack(x, weights, route.send_pos), route.send_counts
 
   def dispatch(carry, w):
-    # the engine choice of jsm.stage1 (api.py); the chain's h is checked byte-identical to stage1's
     send, send_counts = carry
-    if rt.engine == "cpu":
-      return primitives.dispatch(send, send_counts, lax.axis_index(AXIS), runtime_id=rt.runtime_id,
-                                 cap=cap, row_align=cfg.row_align, timeout_s=cfg.timeout_s)
-    return xla_engine.dispatch(send, send_counts, axis_name=AXIS, num_ranks=R, cap=cap,
-                               row_align=cfg.row_align, ragged=rt.platform != "cpu")
+    return jsm.api.dispatch(send, send_counts, runtime=rt, cap=cap)
 
   def gemm1(landed, w):
     return primitives.gemm1(landed.values, landed.scales, landed.expert_offsets,
@@ -338,9 +343,10 @@ def native_path(mesh, name: str, shape: jsm.MoEShape, tokens: int, capacity: Opt
       carry = stage(carry, w)
     return carry
 
-  return BenchPath(name, "native", per_rank_jit(mesh, full), [per_rank_jit(mesh, f) for f in stages],
-                   inputs, w, 2 * shape.hidden + 12, "bf16",
-                   functools.partial(check_native, tokens=tokens, topk=shape.topk))
+  return BenchPath(name, "native", per_rank_jit(mesh, full),
+                   [per_rank_jit(mesh, f) for f in stages], inputs, w, 2 * shape.hidden + 12,
+                   "bf16",
+                   functools.partial(check_native, tokens=tokens, topk=shape.topk), capacity)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -357,7 +363,8 @@ def assert_close(what: str, out: np.ndarray, ref: np.ndarray) -> None:
   rel = np.linalg.norm(diff) / max(float(np.linalg.norm(ref)), 1e-30)
   max_abs = float(np.max(np.abs(diff)))
   if rel > REL_TOL or max_abs > MAX_ABS_TOL * float(np.max(np.abs(ref))):
-    raise CheckError(f"{what}: relative error {rel:.2e} (limit {REL_TOL}), max |diff| {max_abs:.3e} "
+    raise CheckError(f"{what}: relative error {rel:.2e} (limit {REL_TOL}), max |diff| "
+                     f"{max_abs:.3e} "
                      f"(limit {MAX_ABS_TOL} * max |ref| = {MAX_ABS_TOL * np.max(np.abs(ref)):.3e})")
 
 
@@ -387,9 +394,12 @@ def check_native(out: NativeOut, ref: jsm.Stage1Output, h32: np.ndarray, *, toke
   R, T, K = ref.num_rows.shape[0], tokens, topk
   dropped = int(np.sum(out.dropped))
   h = np.asarray(out.h).astype(np.float32)
+
+  def key(src, tok, slot):  # one integer per (source rank, token, slot)
+    return (src.astype(np.int64) * T + tok) * K + slot
+
   got_rows = 0
   for d in range(R):
-    key = lambda src, tok, slot: (src.astype(np.int64) * T + tok) * K + slot  # noqa: E731
     ref_row_of = np.full(R * T * K, -1, np.int64)
     present = np.nonzero(ref.src_rank[d] >= 0)[0]
     ref_row_of[key(ref.src_rank[d][present], ref.src_token[d][present],
@@ -397,8 +407,8 @@ def check_native(out: NativeOut, ref: jsm.Stage1Output, h32: np.ndarray, *, toke
     mine = np.nonzero(out.src_rank[d] >= 0)[0]
     ref_rows = ref_row_of[key(out.src_rank[d][mine], out.src_token[d][mine],
                               out.topk_slot[d][mine])]
-    if np.any(ref_rows < 0):
-      raise CheckError(f"rank {d} holds rows the reference does not route to it")
+    if np.any(ref_rows < 0) or len(np.unique(ref_rows)) != len(ref_rows):
+      raise CheckError(f"rank {d} holds rows the reference does not route to it, or duplicates")
     if np.any(h[d][out.src_rank[d] < 0] != 0):
       raise CheckError(f"h of rank {d}: padding rows are not 0")
     assert_close(f"h of rank {d}", h[d][mine], h32[d][ref_rows])
@@ -436,14 +446,24 @@ def first_call(fn: Callable, *args):
   return out, time.perf_counter() - t0
 
 
-def measure_path(path: BenchPath, ref, h32, args) -> dict:
+class Checked(NamedTuple):
+  """A path that passed its checks, ready to be timed."""
+  path: BenchPath
+  h: np.ndarray               # the full path's h, for comparing engines byte for byte
+  dropped: int
+  first_call_s: float         # the full path's first call, compilation included
+  stage_inputs: Sequence[Any]  # each stage's input, from running the chain once
+
+
+def check_path(path: BenchPath, ref, h32) -> Checked:
+  """Runs the full path once and checks it; runs the stage chain once and checks it does the same
+  work (same h bytes), keeping each stage's input so that stage can be timed alone."""
   out, first_s = first_call(path.full, path.inputs, path.w)
   out = to_host(out)
   try:
     dropped = path.check(out, ref, h32)
   except CheckError as e:
     raise CheckError(f"{path.name}: output does not match jax_sdma_moe.reference: {e}") from None
-  # run the stage chain once, keeping each stage's input for timing it alone
   carry, stage_inputs = path.inputs, []
   for stage in path.stages:
     stage_inputs.append(carry)
@@ -452,12 +472,17 @@ def measure_path(path: BenchPath, ref, h32, args) -> dict:
   if chain_h.tobytes() != out.h.tobytes():
     raise CheckError(f"{path.name}: the three stages run apart give a different h than the full "
                      "path, so their times would not add up to the same work")
-  result = {"stage1": {**time_calls(path.full, (path.inputs, path.w), args.iters, args.warmup),
-                       "first_call_s": first_s}, "stages": {}, "dropped": dropped,
-            "h_bytes": out.h.tobytes()}
-  for name, stage, inp in zip(STAGES, path.stages, stage_inputs):
-    result["stages"][name] = time_calls(stage, (inp, path.w), args.iters, args.warmup)
-  return result
+  return Checked(path, out.h, dropped, first_s, stage_inputs)
+
+
+def time_path(c: Checked, iters: int, warmup: int) -> dict:
+  path = c.path
+  row = {"path": path.name, "kind": path.kind, "dropped": c.dropped, "capacity": path.capacity,
+         "stage1": {**time_calls(path.full, (path.inputs, path.w), iters, warmup),
+                    "first_call_s": c.first_call_s}, "stages": {}}
+  for name, stage, inp in zip(STAGES, path.stages, c.stage_inputs):
+    row["stages"][name] = time_calls(stage, (inp, path.w), iters, warmup)
+  return row
 
 
 def add_rates(row: dict, useful_rows: int, row_bytes: Optional[int], compute_dtype: str,
@@ -487,19 +512,48 @@ def progress(msg: str) -> None:
   print(msg, file=sys.stderr, flush=True)
 
 
-def bench_config(args, mesh, shape: jsm.MoEShape, T: int, engines: Sequence[str],
-                 ceilings: dict, rng: np.random.Generator) -> list:
+def build_paths(args, mesh, shape: jsm.MoEShape, T: int, cap: int, host: HostInputs, w1q,
+                engines: Sequence[str], runtimes: list) -> list:
+  """The engine paths (their Runtimes go to `runtimes`, for the caller to close) and the JAX-native
+  all_to_all paths, with their inputs placed on the mesh."""
   R = mesh.shape[AXIS]
   H, I, E, K = shape.hidden, shape.intermediate, shape.num_experts, shape.topk
+  EL = E // R
+  put = functools.partial(jax.device_put, device=NamedSharding(mesh, P(AXIS)))
+  paths = []
+  engine_inputs = tuple(put(a) for a in (host.x, host.ids, host.weights))
+  per_rank_w1q = jax.tree.map(lambda a: put(a.reshape(R, EL, *a.shape[1:])), w1q)
+  for engine in engines:
+    rt = jsm.Runtime(mesh, AXIS, jsm.Stage1Config(engine=engine, row_align=args.row_align,
+                                                  swiglu_limit=shape.swiglu_limit))
+    runtimes.append(rt)
+    paths.append(engine_path(mesh, rt, shape, cap, engine_inputs, per_rank_w1q))
+  # JAX-native paths: bf16 copies of the dequantised MX-fp8 data (exact), weights as [E, H, 2I]
+  x_deq = reference.dequantize(*reference.quantize(jnp.asarray(host.x))).astype(jnp.bfloat16)
+  w1_deq = jnp.swapaxes(reference.dequantize(*w1q), 1, 2).astype(jnp.bfloat16)
+  native_inputs = (put(x_deq), put(host.ids))
+  native_w = put(w1_deq.reshape(R, EL, H, 2 * I))
+  capacity = max(1, math.ceil(args.capacity_factor * T * K / E))
+  paths.append(native_path(mesh, f"native:a2a+einsum(cf={args.capacity_factor:g})", shape, T,
+                           capacity, capacity_gemm, native_inputs, native_w))
+  paths.append(native_path(mesh, "native:a2a+ragged_dot", shape, T, None, ragged_gemm,
+                           native_inputs, native_w))
+  return paths
+
+
+def bench_config(args, mesh, shape: jsm.MoEShape, T: int, engines: Sequence[str],
+                 ceilings: dict, rng: np.random.Generator) -> list:
+  """Checks every path on fresh inputs, then times them; returns one result row per path."""
+  R = mesh.shape[AXIS]
+  E, K = shape.num_experts, shape.topk
   if E % R:
     raise SystemExit(f"shape {shape.name}: E = {E} is not a multiple of {R} ranks")
-  EL = E // R
-  cap = layout.m_cap(R, T, K, EL, args.row_align)
+  cap = layout.m_cap(R, T, K, E // R, args.row_align)
   tag = f"[{shape.name} T={T}]"
   host = make_inputs(shape, R, T, rng)
   w1q = jsm.quantize_w1(jnp.asarray(host.w1))
 
-  # the reference (one device): the check target, and the first JAX-native baseline
+  # the reference (one device): the check target, and a JAX-native baseline timed below
   ref_fn = functools.partial(reference.stage1, row_align=args.row_align, cap=cap,
                              swiglu_limit=shape.swiglu_limit)
   ref_args = jax.device_put((host.x, host.ids, host.weights, w1q), jax.devices()[0])
@@ -508,55 +562,35 @@ def bench_config(args, mesh, shape: jsm.MoEShape, T: int, engines: Sequence[str]
   rows_total = int(ref.num_rows.sum())
   progress(f"{tag} reference: {rows_total} rows over {R} ranks, M_cap {cap}")
 
-  sharding = NamedSharding(mesh, P(AXIS))
-  put = functools.partial(jax.device_put, device=sharding)
-  per_rank_w1q = jax.tree.map(lambda a: put(a.reshape(R, EL, *a.shape[1:])), w1q)
-  engine_inputs = tuple(put(a) for a in (host.x, host.ids, host.weights))
-  # JAX-native paths: bf16 copies of the dequantised MX-fp8 data (exact), weights as [E, H, 2I]
-  x_deq = reference.dequantize(*reference.quantize(jnp.asarray(host.x))).astype(jnp.bfloat16)
-  w1_deq = jnp.swapaxes(reference.dequantize(*w1q), 1, 2).astype(jnp.bfloat16)
-  native_inputs = (put(x_deq), put(host.ids))
-  native_w = put(w1_deq.reshape(R, EL, H, 2 * I))
-  capacity = max(1, math.ceil(args.capacity_factor * T * K / E))
-
   rows, runtimes = [], []
   try:
-    paths = []
-    for engine in engines:
-      rt = jsm.Runtime(mesh, AXIS, jsm.Stage1Config(engine=engine, row_align=args.row_align,
-                                                    swiglu_limit=shape.swiglu_limit))
-      runtimes.append(rt)
-      paths.append(engine_path(mesh, rt, shape, cap, engine_inputs, per_rank_w1q))
-    paths.append(native_path(mesh, f"native:a2a+einsum(cf={args.capacity_factor:g})", shape, T,
-                             capacity, capacity_gemm, native_inputs, native_w))
-    paths.append(native_path(mesh, "native:a2a+ragged_dot", shape, T, None, ragged_gemm,
-                             native_inputs, native_w))
-    for path in paths:
-      progress(f"{tag} {path.name}: checking, then timing")
+    checked = []
+    for path in build_paths(args, mesh, shape, T, cap, host, w1q, engines, runtimes):
+      progress(f"{tag} {path.name}: checking")
       try:
-        row = measure_path(path, ref, h32, args)
+        checked.append(check_path(path, ref, h32))
       except CheckError as e:
         raise CheckError(f"{tag} {e}") from None
-      row.update(path=path.name, kind=path.kind)
-      add_rates(row, rows_total - row["dropped"], path.row_bytes, path.compute_dtype, shape,
+    engines_checked = [c for c in checked if c.path.kind == "engine"]
+    for c in engines_checked[1:]:
+      if c.h.tobytes() != engines_checked[0].h.tobytes():
+        raise CheckError(f"{tag} {c.path.name} and {engines_checked[0].path.name} give different "
+                         "h bytes (DESIGN §3: engines sharing a GEMM kernel are byte-identical)")
+    for c in checked:
+      progress(f"{tag} {c.path.name}: timing")
+      row = time_path(c, args.iters, args.warmup)
+      add_rates(row, rows_total - c.dropped, c.path.row_bytes, c.path.compute_dtype, shape,
                 ceilings)
       rows.append(row)
   finally:
     for rt in runtimes:
       rt.close()
 
-  engine_rows = [r for r in rows if r["kind"] == "engine"]
-  for r in engine_rows[1:]:
-    if r["h_bytes"] != engine_rows[0]["h_bytes"]:
-      raise CheckError(f"{tag} {r['path']} and {engine_rows[0]['path']} give different h bytes "
-                       "(DESIGN §3: engines with the same GEMM kernel are byte-identical)")
-  for r in rows:
-    del r["h_bytes"]
-
   progress(f"{tag} native:jnp-reference: timing")
   ref_jit = jax.jit(ref_fn)
   _, first_s = first_call(ref_jit, *ref_args)
-  ref_row = {"path": "native:jnp-reference(1 dev)", "kind": "native", "dropped": 0, "stages": {},
+  ref_row = {"path": "native:jnp-reference(1 dev)", "kind": "native", "dropped": 0,
+             "capacity": None, "stages": {},
              "stage1": {**time_calls(ref_jit, ref_args, args.iters, args.warmup),
                         "first_call_s": first_s}}
   add_rates(ref_row, rows_total, None, "f32", shape, ceilings)
@@ -565,7 +599,6 @@ def bench_config(args, mesh, shape: jsm.MoEShape, T: int, engines: Sequence[str]
   best_native = min(r["stage1"]["median_ms"] for r in rows if r["kind"] == "native")
   for r in rows:
     r.update(shape=shape.name, tokens=T, ranks=R, m_cap=cap, rows_total=rows_total,
-             capacity=capacity if "einsum" in r["path"] else None,
              vs_best_native=best_native / r["stage1"]["median_ms"])
   jax.clear_caches()
   return rows
@@ -584,7 +617,10 @@ def format_table(rows: Sequence[dict], ceilings: dict) -> str:
                      enumerate(cols))]
   for r in rows:
     st, frac = r["stages"], r["ceiling_fraction"]
-    get = lambda k, f: st[k][f] if st else None  # noqa: E731
+
+    def get(stage, field):  # the reference row has no stages
+      return st[stage][field] if st else None
+
     vals = [r["shape"], r["tokens"], r["path"], r["stage1"]["median_ms"],
             get("route+qpack", "median_ms"), get("dispatch", "median_ms"), get("dispatch", "gbps"),
             frac.get("dispatch"), get("gemm1", "median_ms"), get("gemm1", "gflops"),
@@ -592,9 +628,8 @@ def format_table(rows: Sequence[dict], ceilings: dict) -> str:
     lines.append("  ".join(
         (fmt.format(v) if v is not None else "-").rjust(w) if i > 2 else f"{v:<{w}}"
         for i, ((_, w, fmt), v) in enumerate(zip(cols, vals))))
-  configs = sorted({(r["shape"], r["tokens"]) for r in rows}, key=lambda c: (c[0], c[1]))
-  for shape, T in configs:
-    lines.append(f"{shape:<6}  {T:>5}  {'native:ragged_a2a+ragged_dot':<28}  n/a on CPU "
+  for shape, T in sorted({(r["shape"], r["tokens"]) for r in rows}):
+    lines.append(f"{shape:<6}  {T:<5}  {'native:ragged_a2a+ragged_dot':<28}  n/a on CPU "
                  "(XLA:CPU has no ragged_all_to_all)")
   mm = ceilings["matmul_gflops"]
   lines.append(f"ceilings: memcpy {ceilings['copy_gbps']:.1f} GB/s, matmul f32 {mm['f32']:.0f} / "
@@ -608,6 +643,7 @@ def write_plot(rows: Sequence[dict], path: Path) -> Optional[str]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
   except ImportError:
     return "matplotlib is not importable: no plot written (pip install matplotlib)"
   shapes = sorted({r["shape"] for r in rows})
@@ -620,6 +656,10 @@ def write_plot(rows: Sequence[dict], path: Path) -> Optional[str]:
               else "--")
     ax.set(xscale="log", yscale="log", xlabel="tokens per rank", ylabel="Stage1 ms (median)",
            title=f"{shape}, {rows[0]['ranks']} ranks")
+    ax.set_xticks(sorted({r["tokens"] for r in rows if r["shape"] == shape}))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
   fig.tight_layout()
@@ -636,8 +676,9 @@ def metadata(args, engines) -> dict:
       cpu_model = next((line.split(":", 1)[1].strip() for line in f
                         if line.startswith("model name")), "")
   return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-          "jax": jax.__version__, "jaxlib": importlib.metadata.version("jaxlib"), "numpy": np.__version__,
-          "jax_sdma_moe": jsm.__version__, "python": platform.python_version(),
+          "jax": jax.__version__, "jaxlib": importlib.metadata.version("jaxlib"),
+          "numpy": np.__version__, "jax_sdma_moe": jsm.__version__,
+          "python": platform.python_version(),
           "machine": cpu_model or platform.machine(), "nproc": os.cpu_count(),
           "platform": devices[0].platform, "devices": len(devices),
           "device_kind": devices[0].device_kind, "engines": list(engines),
@@ -650,6 +691,8 @@ def main(args) -> None:
   if unknown:
     raise SystemExit(f"unknown shape(s) {unknown}; known: {sorted(jsm.SHAPES)}")
   tokens = [int(t) for t in args.tokens.split(",") if t]
+  if args.gpu:
+    raise SystemExit(GPU_NOT_YET)
   engines = [e for e in (args.engines or "cpu,xla").split(",") if e]
   if len(jax.devices()) < args.devices:
     raise SystemExit(f"{args.devices} devices requested, jax sees {len(jax.devices())}: set "

@@ -5,7 +5,7 @@
 #include <string>
 
 #include "kernels/cpu/dispatch.h"
-#include "kernels/cpu/mxfp8.h"
+#include "kernels/common/mxfp8.h"
 #include "kernels/cpu/stage.h"
 
 namespace ffi = xla::ffi;

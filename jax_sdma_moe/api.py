@@ -10,7 +10,7 @@ from jax import lax
 from . import layout, primitives, reference, xla_engine
 from .layout import BLOCK
 from .runtime import Runtime
-from .types import MXFP8, QuantizedW1, Stage1Output
+from .types import MXFP8, Landed, QuantizedW1, SendBuffer, Stage1Output
 
 F8 = jnp.dtype(jnp.float8_e4m3fn)
 
@@ -86,6 +86,20 @@ def _check_inputs(x, ids, weights, w1q, R):
   return T, H, ids.shape[1], EL
 
 
+def dispatch(send: SendBuffer, send_counts: jax.Array, *, runtime: Runtime, cap: int) -> Landed:
+  """The dispatch stage with the Runtime's engine: this rank's send buffer -> its landed rows."""
+  cfg = runtime.config
+  if runtime.engine == "cpu":
+    return primitives.dispatch(
+        send, send_counts, lax.axis_index(runtime.axis_name), runtime_id=runtime.runtime_id,
+        cap=cap, row_align=cfg.row_align, timeout_s=cfg.timeout_s,
+        fault_absent_rank=cfg.fault_absent_rank, fault_delay_rank=cfg.fault_delay_rank,
+        fault_delay_ms=cfg.fault_delay_ms)
+  return xla_engine.dispatch(send, send_counts, axis_name=runtime.axis_name,
+                             num_ranks=runtime.num_ranks, cap=cap, row_align=cfg.row_align,
+                             ragged=runtime.platform != "cpu")
+
+
 def stage1(x: Union[jax.Array, MXFP8], topk, w1q: QuantizedW1, *, runtime: Runtime,
            check: bool = False) -> Stage1Output:
   """Expert-parallel MoE Stage1 of this rank; call inside shard_map over runtime.axis_name.
@@ -116,15 +130,7 @@ def stage1(x: Union[jax.Array, MXFP8], topk, w1q: QuantizedW1, *, runtime: Runti
     send = primitives.pack(x, weights, route.send_pos)
   else:
     send = primitives.qpack(x, weights, route.send_pos)
-  if runtime.engine == "cpu":
-    landed = primitives.dispatch(
-        send, route.send_counts, rank, runtime_id=runtime.runtime_id, cap=cap,
-        row_align=cfg.row_align, timeout_s=cfg.timeout_s,
-        fault_absent_rank=cfg.fault_absent_rank, fault_delay_rank=cfg.fault_delay_rank,
-        fault_delay_ms=cfg.fault_delay_ms)
-  else:
-    landed = xla_engine.dispatch(send, route.send_counts, axis_name=axis, num_ranks=R, cap=cap,
-                                 row_align=cfg.row_align, ragged=runtime.platform != "cpu")
+  landed = dispatch(send, route.send_counts, runtime=runtime, cap=cap)
   h = primitives.gemm1(landed.values, landed.scales, landed.expert_offsets, landed.expert_counts,
                        w1q, swiglu_limit=cfg.swiglu_limit, out_dtype=cfg.out_dtype)
   # check=True fails inside the computation (an FFI error), which works on every platform; the

@@ -1,6 +1,7 @@
 """Runtime: what a Stage1 engine needs across calls (the mesh axis, the engine, its windows)."""
 from __future__ import annotations
 
+import sys
 import threading
 
 import jax
@@ -103,9 +104,16 @@ class Runtime:
     self.close()
 
   def __del__(self):
+    # At interpreter exit JAX's backends are gone (asking for live arrays would start a new one and
+    # hang), and nothing can still be in flight: free the windows directly.
+    if sys.is_finalizing():
+      if self._id is not None:
+        primitives._extension().runtime_destroy(self._id)
+        self._id = None
+      return
     try:
       self.close()
-    except Exception:  # interpreter shutdown
+    except Exception:
       pass
 
   def __repr__(self):

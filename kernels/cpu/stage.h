@@ -8,7 +8,7 @@
 #include <cstring>
 #include <vector>
 
-#include "mxfp8.h"
+#include "kernels/common/mxfp8.h"
 
 namespace jsm {
 

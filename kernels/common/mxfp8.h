@@ -1,10 +1,17 @@
-// MX-fp8 arithmetic of DESIGN.md §3 (per-1x32 blocks, e8m0 scales, e4m3fn values), host side.
-// Framework-agnostic: plain C++17, no XLA types. Every backend must produce these exact bytes.
+// MX-fp8 arithmetic of DESIGN.md §3 (per-1x32 blocks, e8m0 scales, e4m3fn values): the one C++
+// definition, compiled for the host and (under nvcc) for the device. Framework-agnostic: no XLA
+// types. Every backend must produce these exact bytes.
 #pragma once
 
-#include <cmath>
-#include <cstdint>
-#include <cstring>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define JSM_HD __host__ __device__ __forceinline__
+#else
+#define JSM_HD inline
+#endif
 
 namespace jsm {
 
@@ -13,21 +20,21 @@ constexpr uint32_t kInv448Bits = 0x3B124925u;  // float32(1/448)
 constexpr uint8_t kScaleNaN = 0xFF;    // e8m0 NaN
 constexpr uint8_t kValueNaN = 0x7F;    // e4m3fn NaN (positive)
 
-inline float bits_to_f32(uint32_t b) {
+JSM_HD float bits_to_f32(uint32_t b) {
   float f;
-  std::memcpy(&f, &b, 4);
+  memcpy(&f, &b, 4);
   return f;
 }
-inline uint32_t f32_to_bits(float f) {
+JSM_HD uint32_t f32_to_bits(float f) {
   uint32_t b;
-  std::memcpy(&b, &f, 4);
+  memcpy(&b, &f, 4);
   return b;
 }
 
-inline float bf16_to_f32(uint16_t h) { return bits_to_f32(uint32_t(h) << 16); }
+JSM_HD float bf16_to_f32(uint16_t h) { return bits_to_f32(uint32_t(h) << 16); }
 
 // Round to nearest even; NaN stays a (quiet) NaN with its sign.
-inline uint16_t f32_to_bf16(float f) {
+JSM_HD uint16_t f32_to_bf16(float f) {
   uint32_t b = f32_to_bits(f);
   if ((b & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((b >> 16) | 0x0040u);
   b += 0x7FFFu + ((b >> 16) & 1u);
@@ -36,14 +43,14 @@ inline uint16_t f32_to_bf16(float f) {
 
 // float32 -> float8_e4m3fn, round to nearest even; overflow (> 464) and NaN give NaN (there is no
 // infinity in e4m3fn), keeping the sign as ml_dtypes does.
-inline uint8_t f32_to_e4m3fn(float f) {
+JSM_HD uint8_t f32_to_e4m3fn(float f) {
   uint32_t b = f32_to_bits(f);
   uint8_t sign = uint8_t((b >> 24) & 0x80u);
   uint32_t a = b & 0x7FFFFFFFu;
   if (a > 0x7F800000u) return sign | kValueNaN;                 // NaN
   if (a >= 0x43E80000u) return sign | kValueNaN;                // >= 464: rounds past 448
   if (a < 0x3C800000u) {                                        // < 2^-6: subnormal quantum 2^-9
-    float q = std::nearbyint(bits_to_f32(a) * 512.0f);          // exact scaling, RNE
+    float q = rintf(bits_to_f32(a) * 512.0f);          // exact scaling, RNE
     return sign | uint8_t(q);                                   // q == 8 is the smallest normal
   }
   uint32_t r = a + 0x7FFFFu + ((a >> 20) & 1u);                 // RNE to 3 mantissa bits
@@ -53,7 +60,7 @@ inline uint8_t f32_to_e4m3fn(float f) {
 }
 
 // Exact: every e4m3fn value is a float32.
-inline float e4m3fn_to_f32(uint8_t v) {
+JSM_HD float e4m3fn_to_f32(uint8_t v) {
   uint32_t sign = uint32_t(v & 0x80) << 24;
   uint32_t exp = (v >> 3) & 0xF, man = v & 7u;
   if (exp == 0xF && man == 7) return bits_to_f32(sign | 0x7FC00000u);
@@ -62,19 +69,19 @@ inline float e4m3fn_to_f32(uint8_t v) {
 }
 
 // 2^(e-127) for an e8m0 byte; 0xFF gives +inf, so a NaN block dequantises to NaN.
-inline float e8m0_to_f32(uint8_t e) { return bits_to_f32(uint32_t(e) << 23); }
+JSM_HD float e8m0_to_f32(uint8_t e) { return bits_to_f32(uint32_t(e) << 23); }
 
 // Quantise one block of 32 float32 values (DESIGN.md §3 steps 1-5). Returns the scale byte.
-inline uint8_t quantize_block(const float* x, uint8_t* y) {
+JSM_HD uint8_t quantize_block(const float* x, uint8_t* y) {
   float amax = 0.0f;
   bool finite = true;
   for (int i = 0; i < kBlock; ++i) {
-    float a = std::fabs(x[i]);
-    finite &= std::isfinite(x[i]);
+    float a = fabsf(x[i]);
+    finite &= isfinite(x[i]);
     amax = a > amax ? a : amax;
   }
   if (!finite) {
-    std::memset(y, kValueNaN, kBlock);
+    memset(y, kValueNaN, kBlock);
     return kScaleNaN;
   }
   amax = amax > 1e-10f ? amax : 1e-10f;
@@ -86,7 +93,7 @@ inline uint8_t quantize_block(const float* x, uint8_t* y) {
 }
 
 // Quantise a row of n (multiple of 32) bf16 values: n value bytes and n/32 scale bytes.
-inline void quantize_row_bf16(const uint16_t* x, int64_t n, uint8_t* values, uint8_t* scales) {
+JSM_HD void quantize_row_bf16(const uint16_t* x, int64_t n, uint8_t* values, uint8_t* scales) {
   float tmp[kBlock];
   for (int64_t b = 0; b < n / kBlock; ++b) {
     for (int i = 0; i < kBlock; ++i) tmp[i] = bf16_to_f32(x[b * kBlock + i]);
@@ -95,7 +102,7 @@ inline void quantize_row_bf16(const uint16_t* x, int64_t n, uint8_t* values, uin
 }
 
 // Dequantise a row of n values to float32.
-inline void dequantize_row(const uint8_t* values, const uint8_t* scales, int64_t n, float* out) {
+JSM_HD void dequantize_row(const uint8_t* values, const uint8_t* scales, int64_t n, float* out) {
   for (int64_t b = 0; b < n / kBlock; ++b) {
     float s = e8m0_to_f32(scales[b]);
     for (int i = 0; i < kBlock; ++i) out[b * kBlock + i] = e4m3fn_to_f32(values[b * kBlock + i]) * s;
