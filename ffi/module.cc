@@ -3,6 +3,9 @@
 #include <pybind11/pybind11.h>
 
 #include "cpu_handlers.h"
+#ifdef JSM_WITH_CUDA
+#include "cuda_handlers.h"
+#endif
 #include "kernels/cpu/dispatch.h"
 
 namespace py = pybind11;
@@ -29,6 +32,19 @@ PYBIND11_MODULE(_jsm_ffi, m) {
     d["check_overflow"] = encapsulate(JsmCheckOverflowCpu);
     return d;
   });
+#ifdef JSM_WITH_CUDA
+  m.def("cuda_targets", [] {
+    py::dict d;
+    d["quantize"] = encapsulate(JsmQuantizeCuda);
+    d["route"] = encapsulate(JsmRouteCuda);
+    d["qpack"] = encapsulate(JsmQpackCuda);
+    d["pack"] = encapsulate(JsmPackCuda);
+    d["dispatch"] = encapsulate(JsmDispatchCuda);
+    d["gemm1"] = encapsulate(JsmGemm1Cuda);
+    d["check_overflow"] = encapsulate(JsmCheckOverflowCuda);
+    return d;
+  });
+#endif
   m.def("runtime_create", &jsm::runtime_create, py::arg("num_ranks"));
   m.def("runtime_destroy", &jsm::runtime_destroy, py::arg("runtime_id"));
   m.def("has_cuda", [] {

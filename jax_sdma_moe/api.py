@@ -9,7 +9,7 @@ from jax import lax
 
 from . import layout, primitives, reference, xla_engine
 from .layout import BLOCK
-from .runtime import Runtime
+from .runtime import FFI_DISPATCH_ENGINES, Runtime
 from .types import MXFP8, Landed, QuantizedW1, SendBuffer, Stage1Output
 
 F8 = jnp.dtype(jnp.float8_e4m3fn)
@@ -89,7 +89,7 @@ def _check_inputs(x, ids, weights, w1q, R):
 def dispatch(send: SendBuffer, send_counts: jax.Array, *, runtime: Runtime, cap: int) -> Landed:
   """The dispatch stage with the Runtime's engine: this rank's send buffer -> its landed rows."""
   cfg = runtime.config
-  if runtime.engine == "cpu":
+  if runtime.engine in FFI_DISPATCH_ENGINES:
     return primitives.dispatch(
         send, send_counts, lax.axis_index(runtime.axis_name), runtime_id=runtime.runtime_id,
         cap=cap, row_align=cfg.row_align, timeout_s=cfg.timeout_s,

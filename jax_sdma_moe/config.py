@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-ENGINES = ("cpu", "xla", "ce", "sm", "sdma")
+ENGINES = ("cpu", "local", "xla", "ce", "sm", "sdma")
 OUT_DTYPES = ("bf16", "mxfp8")
 
 
@@ -32,8 +32,10 @@ class Stage1Config:
   """Static settings of a Stage1 call.
 
   engine: how rows move between ranks: "cpu" (memcpy between the virtual CPU devices of one
-    process through the Runtime's windows), "xla" (XLA collectives, any platform), and the GPU
-    engines "ce", "sm" (CUDA) and "sdma" (ROCm). None picks "cpu" on CPU meshes.
+    process through the Runtime's windows), "local" (one rank: all experts on this device, rows
+    placed by a local copy kernel; CPU or CUDA), "xla" (XLA collectives, any platform), and the GPU
+    engines "ce", "sm" (CUDA) and "sdma" (ROCm). None picks "cpu" on CPU meshes, "local" on a
+    one-device GPU axis and "xla" on a larger one.
   row_align: every local expert's rows start at a multiple of this (the GEMM M-tile).
   max_recv_rows: static landing capacity per rank (M_cap); None is the dropless worst case.
   out_dtype: "bf16" or "mxfp8" (values + per-32 scales along I).

@@ -11,9 +11,11 @@ from . import primitives
 from .config import Stage1Config
 
 # engine -> platforms it runs on, and the engines built so far
-_ENGINE_PLATFORMS = {"cpu": ("cpu",), "xla": ("cpu", "cuda", "rocm"), "ce": ("cuda",),
-                     "sm": ("cuda",), "sdma": ("rocm",)}
-_BUILT_ENGINES = ("cpu", "xla")
+_ENGINE_PLATFORMS = {"cpu": ("cpu",), "local": ("cpu", "cuda"), "xla": ("cpu", "cuda", "rocm"),
+                     "ce": ("cuda",), "sm": ("cuda",), "sdma": ("rocm",)}
+_BUILT_ENGINES = ("cpu", "local", "xla")
+# engines whose dispatch is the `dispatch` custom call (the others are built from collectives)
+FFI_DISPATCH_ENGINES = ("cpu", "local")
 
 
 def mesh_platform(mesh: Mesh) -> str:
@@ -52,13 +54,25 @@ class Runtime:
     self.axis_name = axis_name
     self.num_ranks = int(mesh.shape[axis_name])
     self.platform = mesh_platform(mesh)
-    engine = config.engine or ("cpu" if self.platform == "cpu" else "xla")
+    if config.engine is not None:
+      engine = config.engine
+    elif self.platform == "cpu":
+      engine = "cpu"
+    else:
+      engine = "local" if self.num_ranks == 1 else "xla"
     if self.platform not in _ENGINE_PLATFORMS[engine]:
       raise ValueError(f"Runtime: engine {engine!r} runs on {_ENGINE_PLATFORMS[engine]}, "
                        f"but the mesh is on {self.platform!r}")
     if engine not in _BUILT_ENGINES:
       raise NotImplementedError(f"Runtime: engine {engine!r} is not built yet in this version "
                                 f"(built: {_BUILT_ENGINES})")
+    if engine == "local" and self.num_ranks != 1:
+      raise ValueError(f"Runtime: engine 'local' needs a one-rank axis, {axis_name!r} has "
+                       f"{self.num_ranks}")
+    if self.platform != "cpu" and self.platform not in primitives.registered_platforms():
+      raise ValueError(f"Runtime: this build of jax_sdma_moe has no {self.platform} kernels "
+                       f"(built for {sorted(primitives.registered_platforms())}); rebuild where "
+                       f"the toolchain (nvcc) is installed")
     if not -1 <= config.fault_absent_rank < self.num_ranks or not (
         -1 <= config.fault_delay_rank < self.num_ranks):
       raise ValueError("Runtime: fault_*_rank must be -1 or a rank of the axis")
@@ -66,7 +80,7 @@ class Runtime:
     self.config = config
     self._lock = threading.Lock()
     self._id = None
-    if engine == "cpu":
+    if self.platform == "cpu" and engine in FFI_DISPATCH_ENGINES:
       primitives.registered_platforms()
       self._id = primitives._extension().runtime_create(self.num_ranks)
 
@@ -83,8 +97,9 @@ class Runtime:
   @property
   def runtime_id(self) -> int:
     if self._id is None:
-      raise ValueError("Runtime is closed" if self.engine == "cpu" else
-                       f"engine {self.engine!r} has no windows")
+      if self.platform == "cpu" and self.engine in FFI_DISPATCH_ENGINES:
+        raise ValueError("Runtime is closed")
+      return 0  # GPU engine "local": no windows
     return self._id
 
   def close(self):

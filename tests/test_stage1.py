@@ -58,6 +58,20 @@ class Stage1Test(parameterized.TestCase):
     for engine in ("cpu", "xla"):
       run_case(self, engine=engine, **kw)
 
+  def test_local_engine_one_rank(self):
+    r = _util.rng()
+    m = _util.mesh(1)
+    T, s = 50, SMALL
+    x, ids, w, w1q = _util.make_problem(r, 1, T, s.hidden, s.intermediate, s.num_experts, s.topk,
+                                        "masked")
+    cfg = jsm.Stage1Config(engine="local", row_align=32)
+    with jsm.Runtime(m, "ep", cfg) as rt:
+      out = _util.stage1_fn(m, rt)(*_util.shard(m, (x, ids, w)), _util.shard(m, w1q))
+    ref, h32 = _util.reference(x, ids, w, w1q, 1, cfg, T)
+    _util.check_stage1(self, out, ref, h32, "bf16")
+    with self.assertRaisesRegex(ValueError, "one-rank axis"):
+      jsm.Runtime(_util.mesh(2), "ep", cfg)
+
   def test_engines_byte_identical(self):
     r = _util.rng()
     m = _util.mesh(R)

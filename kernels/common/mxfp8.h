@@ -71,6 +71,16 @@ JSM_HD float e4m3fn_to_f32(uint8_t v) {
 // 2^(e-127) for an e8m0 byte; 0xFF gives +inf, so a NaN block dequantises to NaN.
 JSM_HD float e8m0_to_f32(uint8_t e) { return bits_to_f32(uint32_t(e) << 23); }
 
+// The e8m0 scale byte of a finite block with maximum magnitude amax (§3 steps 1-3).
+JSM_HD uint32_t e8m0_for_amax(float amax) {
+  amax = amax > 1e-10f ? amax : 1e-10f;
+  uint32_t w = f32_to_bits(amax * bits_to_f32(kInv448Bits));
+  return ((w >> 23) & 0xFFu) + ((w & 0x7FFFFFu) != 0);
+}
+
+// 2^(127 - e): the multiplier of §3 step 4.
+JSM_HD float quant_multiplier(uint32_t e) { return bits_to_f32((254u - e) << 23); }
+
 // Quantise one block of 32 float32 values (DESIGN.md §3 steps 1-5). Returns the scale byte.
 JSM_HD uint8_t quantize_block(const float* x, uint8_t* y) {
   float amax = 0.0f;
@@ -84,10 +94,8 @@ JSM_HD uint8_t quantize_block(const float* x, uint8_t* y) {
     memset(y, kValueNaN, kBlock);
     return kScaleNaN;
   }
-  amax = amax > 1e-10f ? amax : 1e-10f;
-  uint32_t w = f32_to_bits(amax * bits_to_f32(kInv448Bits));
-  uint32_t e = ((w >> 23) & 0xFFu) + ((w & 0x7FFFFFu) != 0);
-  float mul = bits_to_f32((254u - e) << 23);
+  const uint32_t e = e8m0_for_amax(amax);
+  const float mul = quant_multiplier(e);
   for (int i = 0; i < kBlock; ++i) y[i] = f32_to_e4m3fn(x[i] * mul);
   return uint8_t(e);
 }

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# On a lent GPU machine, from the repository root: build with the machine's jax (no registry there),
+# run the CUDA tests, compute-sanitizer on a small case, and the quick GPU timing.
+# Usage: bash bench/device_cuda.sh [tests|sanitize|bench|all] ...  (default: all)
+set -uo pipefail
+REPO=$PWD
+export JSM_REQUIRE_CUDA=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/jsm-out}
+mkdir -p "$OUT"
+python3 -m pip install --no-build-isolation --no-deps --no-index . > "$OUT/build.log" 2>&1 \
+  || { tail -40 "$OUT/build.log"; exit 1; }
+grep -A3 "gemm1_kernel" "$OUT/build.log" | grep -E "registers|spill" | head -4
+cd /tmp
+for step in "${@:-all}"; do
+  if [[ $step == tests || $step == all ]]; then
+    python3 -m pytest -q -p no:cacheprovider "$REPO/tests/test_cuda.py" 2>&1 | tee "$OUT/tests.log" | tail -25
+  fi
+  if [[ $step == sanitize || $step == all ]]; then
+    XLA_PYTHON_CLIENT_PREALLOCATE=false compute-sanitizer --tool memcheck --error-exitcode 9 \
+      python3 "$REPO/tests/cuda_smoke.py" 2>&1 | tail -8
+    echo "compute-sanitizer rc=$?"
+  fi
+  if [[ $step == bench || $step == all ]]; then
+    python3 "$REPO/bench/gpu_quick.py" dsv3 v4pro 2>&1 | tee "$OUT/bench.log" | tail -12
+  fi
+done

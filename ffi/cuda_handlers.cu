@@ -1,0 +1,318 @@
+// XLA FFI handlers of the Stage1 custom calls on the CUDA platform: the same argument and result
+// lists as cpu_handlers.cc (the primitives' abstract evaluation fixes them), kernels from
+// kernels/cuda, launched on XLA's stream.
+#include <cuda_runtime.h>
+
+#include <mutex>
+#include <string>
+
+#include "cuda_handlers.h"
+#include "kernels/cuda/gemm1.cuh"
+#include "kernels/cuda/stages.cuh"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using Stream = ffi::PlatformStream<cudaStream_t>;
+using S32Scalar = ffi::Buffer<ffi::S32, 0>;
+using S32Vec = ffi::Buffer<ffi::S32, 1>;
+using S32Mat = ffi::Buffer<ffi::S32, 2>;
+using F32Vec = ffi::Buffer<ffi::F32, 1>;
+using F32Mat = ffi::Buffer<ffi::F32, 2>;
+using BF16Mat = ffi::Buffer<ffi::BF16, 2>;
+
+#define JSM_RETURN_IF_ERROR(expr) \
+  do {                            \
+    ffi::Error _e = (expr);       \
+    if (!_e.success()) return _e; \
+  } while (0)
+
+ffi::Error last_error(const char* what) {
+  cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("jax_sdma_moe ") + what + ": " + cudaGetErrorString(err));
+}
+
+ffi::Error check_dtype(const ffi::AnyBuffer& b, ffi::DataType want, const char* what) {
+  if (b.element_type() != want)
+    return ffi::Error::InvalidArgument(std::string("jax_sdma_moe: ") + what +
+                                       " has the wrong element type");
+  return ffi::Error::Success();
+}
+
+int64_t rows_of(const ffi::AnyBuffer& b) { return b.dimensions().size() == 0 ? 1 : b.dimensions()[0]; }
+int64_t last_dim(const ffi::AnyBuffer& b) { return b.dimensions().back(); }
+template <class T>
+T* ptr(ffi::Result<ffi::AnyBuffer>& r) { return static_cast<T*>(r->untyped_data()); }
+template <class T>
+const T* ptr(const ffi::AnyBuffer& b) { return static_cast<const T*>(b.untyped_data()); }
+
+int num_sms() {
+  static int cached[64] = {};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev < 64 && cached[dev]) return cached[dev];
+  int n = 0;
+  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+  if (dev < 64) cached[dev] = n;
+  return n;
+}
+
+int grid_for(int64_t items, int per_block) {
+  int64_t blocks = (items + per_block - 1) / per_block;
+  int64_t cap = int64_t(num_sms()) * 16;
+  return int(blocks < 1 ? 1 : (blocks < cap ? blocks : cap));
+}
+
+ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> values,
+                        ffi::Result<ffi::AnyBuffer> scales) {
+  JSM_RETURN_IF_ERROR(check_dtype(*values, ffi::DataType::F8E4M3FN, "quantize values"));
+  const int64_t blocks = int64_t(x.element_count()) / jsm::kBlock;
+  if (blocks == 0) return ffi::Error::Success();
+  if (x.element_type() == ffi::DataType::BF16)
+    jsm::cuda::quantize_kernel<uint16_t><<<grid_for(blocks, 256), 256, 0, stream>>>(
+        ptr<uint16_t>(x), blocks, ptr<uint8_t>(values), ptr<uint8_t>(scales));
+  else if (x.element_type() == ffi::DataType::F32)
+    jsm::cuda::quantize_kernel<float><<<grid_for(blocks, 256), 256, 0, stream>>>(
+        ptr<float>(x), blocks, ptr<uint8_t>(values), ptr<uint8_t>(scales));
+  else
+    return ffi::Error::InvalidArgument("jax_sdma_moe quantize: x must be bfloat16 or float32");
+  return last_error("quantize");
+}
+
+ffi::Error RouteImpl(cudaStream_t stream, S32Mat ids, ffi::Result<S32Mat> send_counts,
+                     ffi::Result<S32Mat> send_pos, ffi::Result<S32Scalar> num_invalid) {
+  const int64_t n = ids.element_count();
+  const int E = int(send_counts->element_count());
+  jsm::cuda::route_kernel<<<1, 32, 2 * E * sizeof(int32_t), stream>>>(
+      ids.typed_data(), n, E, send_counts->typed_data(), send_pos->typed_data(),
+      num_invalid->typed_data());
+  return last_error("route");
+}
+
+template <bool kQuantize>
+ffi::Error launch_pack(cudaStream_t stream, const uint16_t* x, const uint8_t* xv, const uint8_t* xs,
+                       F32Mat weights, S32Mat send_pos, int64_t T, int64_t H,
+                       ffi::Result<ffi::AnyBuffer>& values, ffi::Result<ffi::AnyBuffer>& scales,
+                       ffi::Result<S32Vec>& token, ffi::Result<S32Vec>& slot,
+                       ffi::Result<F32Vec>& weight) {
+  const int K = int(send_pos.dimensions()[1]);
+  if (K > 16) return ffi::Error::InvalidArgument("jax_sdma_moe (CUDA): top-k above 16");
+  const int64_t S = token->element_count();
+  // rows past the routed ones: headers -1 (token, slot), weight 0; their payload is unspecified
+  cudaMemsetAsync(token->typed_data(), 0xFF, S * sizeof(int32_t), stream);
+  cudaMemsetAsync(slot->typed_data(), 0xFF, S * sizeof(int32_t), stream);
+  cudaMemsetAsync(weight->typed_data(), 0, S * sizeof(float), stream);
+  if (T > 0)
+    jsm::cuda::pack_kernel<kQuantize><<<(T + 7) / 8, 256, 0, stream>>>(
+        x, xv, xs, weights.typed_data(), send_pos.typed_data(), T, K, H, ptr<uint8_t>(values),
+        ptr<uint8_t>(scales), token->typed_data(), slot->typed_data(), weight->typed_data());
+  return last_error(kQuantize ? "qpack" : "pack");
+}
+
+ffi::Error QpackImpl(cudaStream_t stream, BF16Mat x, F32Mat weights, S32Mat send_pos,
+                     ffi::Result<ffi::AnyBuffer> values, ffi::Result<ffi::AnyBuffer> scales,
+                     ffi::Result<S32Vec> token, ffi::Result<S32Vec> slot,
+                     ffi::Result<F32Vec> weight) {
+  JSM_RETURN_IF_ERROR(check_dtype(*values, ffi::DataType::F8E4M3FN, "qpack values"));
+  return launch_pack<true>(stream, reinterpret_cast<const uint16_t*>(x.typed_data()), nullptr,
+                           nullptr, weights, send_pos, x.dimensions()[0], x.dimensions()[1],
+                           values, scales, token, slot, weight);
+}
+
+ffi::Error PackImpl(cudaStream_t stream, ffi::AnyBuffer x_values, ffi::AnyBuffer x_scales,
+                    F32Mat weights, S32Mat send_pos, ffi::Result<ffi::AnyBuffer> values,
+                    ffi::Result<ffi::AnyBuffer> scales, ffi::Result<S32Vec> token,
+                    ffi::Result<S32Vec> slot, ffi::Result<F32Vec> weight) {
+  JSM_RETURN_IF_ERROR(check_dtype(x_values, ffi::DataType::F8E4M3FN, "pack x values"));
+  return launch_pack<false>(stream, nullptr, ptr<uint8_t>(x_values), ptr<uint8_t>(x_scales),
+                            weights, send_pos, rows_of(x_values), last_dim(x_values), values,
+                            scales, token, slot, weight);
+}
+
+// R = 1 only (engine "local"); the multi-GPU engines bring their own handler.
+ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer values, ffi::AnyBuffer scales, S32Vec token,
+                        S32Vec slot, F32Vec weight, S32Mat send_counts, S32Scalar rank,
+                        ffi::Result<ffi::AnyBuffer> out_values,
+                        ffi::Result<ffi::AnyBuffer> out_scales, ffi::Result<S32Vec> src_rank,
+                        ffi::Result<S32Vec> out_token, ffi::Result<S32Vec> out_slot,
+                        ffi::Result<F32Vec> out_weight, ffi::Result<S32Vec> expert_offsets,
+                        ffi::Result<S32Vec> expert_counts, ffi::Result<S32Scalar> num_rows,
+                        ffi::Result<S32Scalar> overflow, int64_t runtime_id, int64_t row_align,
+                        double timeout_s, int64_t fault_absent_rank, int64_t fault_delay_rank,
+                        int64_t fault_delay_ms) {
+  if (send_counts.dimensions()[0] != 1)
+    return ffi::Error::InvalidArgument(
+        "jax_sdma_moe dispatch (CUDA): this build moves rows within one GPU only (R = 1)");
+  const int EL = int(send_counts.dimensions()[1]);
+  const int64_t m_cap = rows_of(*out_values), H = last_dim(values);
+  jsm::cuda::dispatch_local_kernel<<<grid_for(m_cap, 8), 256, (3 * EL + 1) * sizeof(int32_t),
+                                     stream>>>(
+      ptr<uint8_t>(values), ptr<uint8_t>(scales), token.typed_data(), slot.typed_data(),
+      weight.typed_data(), send_counts.typed_data(), EL, H, m_cap, row_align,
+      ptr<uint8_t>(out_values), ptr<uint8_t>(out_scales), src_rank->typed_data(),
+      out_token->typed_data(), out_slot->typed_data(), out_weight->typed_data(),
+      expert_offsets->typed_data(), expert_counts->typed_data(), num_rows->typed_data(),
+      overflow->typed_data());
+  return last_error("dispatch");
+}
+
+ffi::Error Gemm1Impl(cudaStream_t stream, ffi::AnyBuffer a_values, ffi::AnyBuffer a_scales,
+                     S32Vec expert_offsets, S32Vec expert_counts, ffi::AnyBuffer w_values,
+                     ffi::AnyBuffer w_scales, ffi::RemainingRets rets, bool has_limit,
+                     float swiglu_limit) {
+  namespace v1 = jsm::cuda::gemm1_v1;
+  JSM_RETURN_IF_ERROR(check_dtype(a_values, ffi::DataType::F8E4M3FN, "gemm1 rows"));
+  JSM_RETURN_IF_ERROR(check_dtype(w_values, ffi::DataType::F8E4M3FN, "gemm1 weights"));
+  const auto wd = w_values.dimensions();
+  jsm::cuda::Gemm1Args g{};
+  g.a = ptr<uint8_t>(a_values);
+  g.a_scales = ptr<uint8_t>(a_scales);
+  g.offsets = expert_offsets.typed_data();
+  g.counts = expert_counts.typed_data();
+  g.w = ptr<uint8_t>(w_values);
+  g.w_scales = ptr<uint8_t>(w_scales);
+  g.EL = int(wd[0]);
+  g.I = wd[1] / 2;
+  g.H = last_dim(a_values);
+  g.m_cap = rows_of(a_values);
+  g.has_limit = has_limit;
+  g.limit = swiglu_limit;
+  if (g.EL > v1::kMaxExperts)
+    return ffi::Error::InvalidArgument("jax_sdma_moe gemm1 (CUDA): more than 1024 local experts");
+  auto h = rets.get<ffi::AnyBuffer>(0);
+  if (!h.has_value()) return h.error();
+  int64_t row_bytes, scale_bytes = 0;
+  uint8_t* hs = nullptr;
+  if (rets.size() == 1) {
+    JSM_RETURN_IF_ERROR(check_dtype(**h, ffi::DataType::BF16, "gemm1 output"));
+    g.h_bf16 = static_cast<uint16_t*>((*h)->untyped_data());
+    row_bytes = g.I * 2;
+  } else {
+    auto s = rets.get<ffi::AnyBuffer>(1);
+    if (!s.has_value()) return s.error();
+    g.h_values = static_cast<uint8_t*>((*h)->untyped_data());
+    g.h_scales = hs = static_cast<uint8_t*>((*s)->untyped_data());
+    row_bytes = g.I;
+    scale_bytes = g.I / jsm::kBlock;
+  }
+  static std::once_flag attr_once;
+  std::call_once(attr_once, [] {
+    cudaFuncSetAttribute(v1::gemm1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         v1::kSmemBytes);
+  });
+  jsm::cuda::zero_padding_rows_kernel<<<grid_for(g.m_cap, 8), 256, 2 * g.EL * sizeof(int32_t),
+                                        stream>>>(g.offsets, g.counts, g.EL, g.m_cap, row_bytes,
+                                                  static_cast<uint8_t*>((*h)->untyped_data()), hs,
+                                                  scale_bytes);
+  JSM_RETURN_IF_ERROR(last_error("gemm1 padding"));
+  if (g.m_cap > 0)
+    v1::gemm1_kernel<<<num_sms(), v1::THREADS, v1::kSmemBytes, stream>>>(g);
+  return last_error("gemm1");
+}
+
+ffi::Error CheckOverflowImpl(cudaStream_t stream, S32Scalar overflow, S32Scalar rank,
+                             ffi::Result<S32Scalar> out, int64_t cap) {
+  int32_t host[2] = {0, 0};
+  cudaMemcpyAsync(out->typed_data(), overflow.typed_data(), 4, cudaMemcpyDeviceToDevice, stream);
+  cudaMemcpyAsync(&host[0], overflow.typed_data(), 4, cudaMemcpyDeviceToHost, stream);
+  cudaMemcpyAsync(&host[1], rank.typed_data(), 4, cudaMemcpyDeviceToHost, stream);
+  if (cudaStreamSynchronize(stream) != cudaSuccess) return last_error("check_overflow");
+  if (host[0] > 0)
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      "jax_sdma_moe.stage1: " + std::to_string(host[0]) + " rows routed to rank " +
+                          std::to_string(host[1]) + " did not fit M_cap = " + std::to_string(cap) +
+                          "; raise Stage1Config.max_recv_rows");
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmQuantizeCuda, QuantizeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmRouteCuda, RouteImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .Arg<S32Mat>()
+                                  .Ret<S32Mat>()
+                                  .Ret<S32Mat>()
+                                  .Ret<S32Scalar>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmQpackCuda, QpackImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .Arg<BF16Mat>()
+                                  .Arg<F32Mat>()
+                                  .Arg<S32Mat>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<S32Vec>()
+                                  .Ret<S32Vec>()
+                                  .Ret<F32Vec>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmPackCuda, PackImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<F32Mat>()
+                                  .Arg<S32Mat>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<S32Vec>()
+                                  .Ret<S32Vec>()
+                                  .Ret<F32Vec>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmDispatchCuda, DispatchImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<S32Vec>()
+                                  .Arg<S32Vec>()
+                                  .Arg<F32Vec>()
+                                  .Arg<S32Mat>()
+                                  .Arg<S32Scalar>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<S32Vec>()
+                                  .Ret<S32Vec>()
+                                  .Ret<S32Vec>()
+                                  .Ret<F32Vec>()
+                                  .Ret<S32Vec>()
+                                  .Ret<S32Vec>()
+                                  .Ret<S32Scalar>()
+                                  .Ret<S32Scalar>()
+                                  .Attr<int64_t>("runtime_id")
+                                  .Attr<int64_t>("row_align")
+                                  .Attr<double>("timeout_s")
+                                  .Attr<int64_t>("fault_absent_rank")
+                                  .Attr<int64_t>("fault_delay_rank")
+                                  .Attr<int64_t>("fault_delay_ms"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmGemm1Cuda, Gemm1Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<S32Vec>()
+                                  .Arg<S32Vec>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingRets()
+                                  .Attr<bool>("has_limit")
+                                  .Attr<float>("swiglu_limit"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmCheckOverflowCuda, CheckOverflowImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<Stream>()
+                                  .Arg<S32Scalar>()
+                                  .Arg<S32Scalar>()
+                                  .Ret<S32Scalar>()
+                                  .Attr<int64_t>("cap"));

@@ -1,0 +1,312 @@
+// Persistent grouped MX-fp8 GEMM1 + SwiGLU (DESIGN.md §3) for sm_89+ (here: Hopper), version 1.
+//
+// h[row] = SwiGLU(deq(a[row]) @ deq(w[e]).T) for the landed rows of each local expert. Hopper has
+// no block-scaled MMA, so each MX block (K = 32) is one fp8 `mma.sync.m16n8k32` into a fresh
+// accumulator, promoted into float32 with the two block scales: acc += tmp * sa[row] * sb[col].
+// Products of e4m3 values are exact; the sum of 32 of them is formed inside the tensor core, and
+// everything after is float32.
+//
+// A CTA tile is 128 rows x 64 output columns (64 gate + 64 up weight rows), K = 128 (4 MX blocks)
+// per pipeline stage, 4 stages of cp.async; 8 warps, each 32 rows x 32 output columns. Work items
+// (expert, row tile, column tile) are numbered from the device-side expert counts, so one launch
+// covers all experts without a host round trip; this scheduler is where "start when the expert's
+// rows have landed" will be added.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "kernels/common/mxfp8.h"
+
+namespace jsm {
+namespace cuda {
+
+struct Gemm1Args {
+  const uint8_t* a;         // [m_cap, H] e4m3
+  const uint8_t* a_scales;  // [m_cap, H/32] e8m0
+  const int32_t* offsets;   // [EL]
+  const int32_t* counts;    // [EL]
+  const uint8_t* w;         // [EL, 2I, H]
+  const uint8_t* w_scales;  // [EL, 2I, H/32]
+  int EL;
+  int64_t H, I, m_cap;
+  bool has_limit;
+  float limit;
+  uint16_t* h_bf16;    // [m_cap, I] or null
+  uint8_t* h_values;   // [m_cap, I] or null (mxfp8 output)
+  uint8_t* h_scales;   // [m_cap, I/32]
+};
+
+namespace gemm1_v1 {
+
+constexpr int BM = 128, BN = 64, BNW = 2 * BN;  // rows, output columns, weight rows per tile
+constexpr int KB = 4;                            // MX blocks per stage
+constexpr int KBYTES = KB * kBlock;              // 128 bytes of K per row per stage
+constexpr int STAGES = 4;
+constexpr int THREADS = 256;
+constexpr int kStageBytes = (BM + BNW) * KBYTES + (BM + BNW) * KB * 4;
+constexpr int kSmemBytes = STAGES * kStageBytes;
+constexpr int kMaxExperts = 1024;  // tile prefix in shared memory
+
+struct Stage {
+  uint8_t a[BM * KBYTES];
+  uint8_t b[BNW * KBYTES];
+  float sa[KB][BM];
+  float sb[KB][BNW];
+};
+static_assert(sizeof(Stage) == kStageBytes, "stage layout");
+
+// 16-byte chunk c of a 128-byte smem row r sits at c ^ (r & 7): ldmatrix reads of 8 consecutive
+// rows then hit 8 different bank groups.
+__device__ __forceinline__ int swz(int r, int c) { return r * KBYTES + ((c ^ (r & 7)) << 4); }
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+__device__ __forceinline__ void mma_e4m3(float* d, const uint32_t* a, const uint32_t* b) {
+  asm(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%10,%11,%12,%13};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(0.0f), "f"(0.0f),
+        "f"(0.0f), "f"(0.0f));
+}
+
+__device__ __forceinline__ float swiglu(float g, float u, bool has_limit, float limit) {
+  if (has_limit) {
+    g = fminf(g, limit);
+    u = fminf(fmaxf(u, -limit), limit);
+  }
+  return g / (1.0f + expf(-g)) * u;
+}
+
+struct Tile {
+  int e;
+  int64_t row0;  // first landed row of the tile
+  int rows;      // valid rows in the tile
+  int64_t n0;    // first output column
+};
+
+// Issues the cp.async copies of stage `ks` of a tile and loads its scale bytes into registers
+// (stored to shared memory later, so their latency overlaps the MMAs).
+struct ScaleRegs {
+  uint8_t a[2], b[2];
+};
+
+__device__ __forceinline__ void issue_stage(const Gemm1Args& g, const Tile& t, int ks, Stage& s,
+                                            ScaleRegs& sr) {
+  const int tid = threadIdx.x;
+  const int64_t HS = g.H / kBlock;
+  const int c = tid & 7;
+  const int64_t kbyte = int64_t(ks) * KBYTES + c * 16;
+  const bool kvalid = kbyte < g.H;
+  const uint8_t* wbase = g.w + int64_t(t.e) * 2 * g.I * g.H;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int r = tid / 8 + 32 * i;
+    const bool va = kvalid && r < t.rows;
+    cp_async16(s.a + swz(r, c), va ? g.a + (t.row0 + r) * g.H + kbyte : g.a, va);
+    const int64_t col = t.n0 + (r & (BN - 1));
+    const int64_t wrow = (r < BN ? 0 : g.I) + col;
+    const bool vb = kvalid && col < g.I;
+    cp_async16(s.b + swz(r, c), vb ? wbase + wrow * g.H + kbyte : g.w, vb);
+  }
+  // scales: thread -> rows tid / 2 (A) and tid / 2 (B), MX blocks (tid & 1) * 2 + {0, 1}
+  const int r = tid >> 1;
+  const uint8_t* ws = g.w_scales + int64_t(t.e) * 2 * g.I * HS;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int64_t kb = int64_t(ks) * KB + (tid & 1) * 2 + j;
+    const bool ka = kb < HS;
+    sr.a[j] = (ka && r < t.rows) ? g.a_scales[(t.row0 + r) * HS + kb] : 0;
+    const int64_t col = t.n0 + (r & (BN - 1));
+    const int64_t wrow = (r < BN ? 0 : g.I) + col;
+    sr.b[j] = (ka && col < g.I) ? ws[wrow * HS + kb] : 0;
+  }
+}
+
+__device__ __forceinline__ void store_scales(Stage& s, const ScaleRegs& sr) {
+  const int tid = threadIdx.x;
+  const int r = tid >> 1;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int kb = (tid & 1) * 2 + j;
+    s.sa[kb][r] = e8m0_to_f32(sr.a[j]);
+    s.sb[kb][r] = e8m0_to_f32(sr.b[j]);
+  }
+}
+
+__global__ void __launch_bounds__(THREADS, 1) gemm1_kernel(const Gemm1Args g) {
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  Stage* stages = reinterpret_cast<Stage*>(smem_raw);
+  __shared__ int32_t tile_start[kMaxExperts + 1];
+  const int n_tiles = int((g.I + BN - 1) / BN);
+  if (threadIdx.x == 0) {
+    int32_t run = 0;
+    for (int e = 0; e < g.EL; ++e) {
+      tile_start[e] = run;
+      run += (g.counts[e] + BM - 1) / BM * n_tiles;
+    }
+    tile_start[g.EL] = run;
+  }
+  __syncthreads();
+  const int total = tile_start[g.EL];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int wm = warp & 3, wn = warp >> 2;  // 4 x 2 warps
+  const int grp = lane >> 2, tig = lane & 3;
+  const int64_t HS = g.H / kBlock;
+  const int num_k = int((HS + KB - 1) / KB);
+
+  for (int w = blockIdx.x; w < total; w += gridDim.x) {
+    int lo = 0, hi = g.EL - 1;  // last expert whose first tile is <= w
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (tile_start[mid] <= w) lo = mid; else hi = mid - 1;
+    }
+    const int local = w - tile_start[lo];
+    Tile t;
+    t.e = lo;
+    const int mt = local / n_tiles;
+    t.row0 = g.offsets[lo] + int64_t(mt) * BM;
+    t.rows = min(BM, g.counts[lo] - mt * BM);
+    t.n0 = int64_t(local % n_tiles) * BN;
+
+    float acc[2][8][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
+
+    __syncthreads();  // the previous tile's reads of every stage are done
+    ScaleRegs sr;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < num_k) {
+        issue_stage(g, t, s, stages[s], sr);
+        store_scales(stages[s], sr);
+      }
+      cp_async_commit();
+    }
+    for (int ks = 0; ks < num_k; ++ks) {
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();
+      const int next = ks + STAGES - 1;
+      const bool has_next = next < num_k;
+      if (has_next) issue_stage(g, t, next, stages[next % STAGES], sr);
+      cp_async_commit();
+      const Stage& s = stages[ks % STAGES];
+#pragma unroll
+      for (int kb = 0; kb < KB; ++kb) {
+        uint32_t af[2][4], bf[8][2];
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+          const int j = lane >> 3, i = lane & 7;
+          const int row = wm * 32 + m * 16 + i + 8 * (j & 1);
+          ldmatrix_x4(af[m], s.a + swz(row, 2 * kb + (j >> 1)));
+        }
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {  // n-tile pairs: gate 0-1, 2-3, then up 0-1, 2-3
+          const int j = lane >> 3, i = lane & 7;
+          const int nbase = (p < 2 ? 0 : BN) + wn * 32 + (p & 1) * 16;
+          uint32_t r[4];
+          ldmatrix_x4(r, s.b + swz(nbase + i + 8 * (j >> 1), 2 * kb + (j & 1)));
+          bf[2 * p][0] = r[0], bf[2 * p][1] = r[1], bf[2 * p + 1][0] = r[2], bf[2 * p + 1][1] = r[3];
+        }
+        float sa[2][2];
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) sa[m][h] = s.sa[kb][wm * 32 + m * 16 + grp + 8 * h];
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+          const float* sbp = &s.sb[kb][(n < 4 ? 0 : BN) + wn * 32 + (n & 3) * 8 + tig * 2];
+          const float sb0 = sbp[0], sb1 = sbp[1];
+#pragma unroll
+          for (int m = 0; m < 2; ++m) {
+            float d[4];
+            mma_e4m3(d, af[m], bf[n]);
+            acc[m][n][0] += d[0] * (sa[m][0] * sb0);
+            acc[m][n][1] += d[1] * (sa[m][0] * sb1);
+            acc[m][n][2] += d[2] * (sa[m][1] * sb0);
+            acc[m][n][3] += d[3] * (sa[m][1] * sb1);
+          }
+        }
+      }
+      if (has_next) store_scales(stages[next % STAGES], sr);
+    }
+    cp_async_wait<0>();
+
+    // epilogue: this thread holds rows (grp, grp + 8) of each m16 tile, columns tig*2 + {0,1} of
+    // each n8 tile; gate tile n pairs with up tile n + 4.
+    const int64_t col0 = t.n0 + wn * 32;
+    const bool cols_valid = col0 < g.I;
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int rloc = wm * 32 + m * 16 + grp + 8 * h;
+        const bool valid = cols_valid && rloc < t.rows;
+        const int64_t row = t.row0 + rloc;
+        float v[4][2];
+        float amax = 0.0f;
+        bool finite = true;
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            v[n][c] = swiglu(acc[m][n][2 * h + c], acc[m][n + 4][2 * h + c], g.has_limit, g.limit);
+            amax = fmaxf(amax, fabsf(v[n][c]));
+            finite &= isfinite(v[n][c]);
+          }
+        if (g.h_bf16) {
+          if (!valid) continue;
+#pragma unroll
+          for (int n = 0; n < 4; ++n) {
+            const uint32_t packed = uint32_t(f32_to_bf16(v[n][0])) | uint32_t(f32_to_bf16(v[n][1])) << 16;
+            *reinterpret_cast<uint32_t*>(g.h_bf16 + row * g.I + col0 + n * 8 + tig * 2) = packed;
+          }
+          continue;
+        }
+        // MX-fp8 output: the 32 columns of this row are the quad's 4 lanes x 8 values
+#pragma unroll
+        for (int o = 1; o <= 2; o <<= 1) {
+          amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+          finite = __shfl_xor_sync(0xFFFFFFFFu, int(finite), o) && finite;
+        }
+        if (!valid) continue;
+        const uint32_t e = finite ? e8m0_for_amax(amax) : kScaleNaN;
+        const float mul = quant_multiplier(e);
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+          const uint8_t y0 = finite ? f32_to_e4m3fn(v[n][0] * mul) : kValueNaN;
+          const uint8_t y1 = finite ? f32_to_e4m3fn(v[n][1] * mul) : kValueNaN;
+          *reinterpret_cast<uint16_t*>(g.h_values + row * g.I + col0 + n * 8 + tig * 2) =
+              uint16_t(y0 | (y1 << 8));
+        }
+        if (tig == 0) g.h_scales[row * (g.I / kBlock) + col0 / kBlock] = uint8_t(e);
+      }
+  }
+}
+
+}  // namespace gemm1_v1
+}  // namespace cuda
+}  // namespace jsm

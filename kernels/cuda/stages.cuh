@@ -1,0 +1,257 @@
+// CUDA kernels of the memory-bound Stage1 stages: quantize, route, qpack / pack, the local (R = 1)
+// dispatch, and the zero padding rows of gemm1's output. Same results as kernels/cpu (the §3 bytes
+// come from the shared kernels/common/mxfp8.h).
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "kernels/common/mxfp8.h"
+
+namespace jsm {
+namespace cuda {
+
+constexpr int kWarp = 32;
+
+// One 32-element block per thread: four 16-byte loads, two 16-byte stores.
+template <class In>
+__device__ __forceinline__ void load_block(const In* src, float* x);
+
+template <>
+__device__ __forceinline__ void load_block<uint16_t>(const uint16_t* src, float* x) {
+  const uint4* p = reinterpret_cast<const uint4*>(src);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    uint4 v = p[q];
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      x[q * 8 + 2 * j] = bits_to_f32(w[j] << 16);
+      x[q * 8 + 2 * j + 1] = bits_to_f32(w[j] & 0xFFFF0000u);
+    }
+  }
+}
+
+template <>
+__device__ __forceinline__ void load_block<float>(const float* src, float* x) {
+  const float4* p = reinterpret_cast<const float4*>(src);
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    float4 v = p[q];
+    x[4 * q] = v.x, x[4 * q + 1] = v.y, x[4 * q + 2] = v.z, x[4 * q + 3] = v.w;
+  }
+}
+
+__device__ __forceinline__ void quantize_to_words(const float* x, uint4* out, uint8_t* scale) {
+  uint8_t y[kBlock];
+  *scale = quantize_block(x, y);
+  uint32_t w[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    w[j] = uint32_t(y[4 * j]) | uint32_t(y[4 * j + 1]) << 8 | uint32_t(y[4 * j + 2]) << 16 |
+           uint32_t(y[4 * j + 3]) << 24;
+  out[0] = make_uint4(w[0], w[1], w[2], w[3]);
+  out[1] = make_uint4(w[4], w[5], w[6], w[7]);
+}
+
+// quantize: blocks = rows * H / 32, one per thread. Needs 16-byte aligned rows (H % 32 == 0).
+template <class In>
+__global__ void quantize_kernel(const In* x, int64_t blocks, uint8_t* values, uint8_t* scales) {
+  for (int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; b < blocks;
+       b += int64_t(gridDim.x) * blockDim.x) {
+    float v[kBlock];
+    load_block<In>(x + b * kBlock, v);
+    uint4 q[2];
+    quantize_to_words(v, q, scales + b);
+    reinterpret_cast<uint4*>(values + b * kBlock)[0] = q[0];
+    reinterpret_cast<uint4*>(values + b * kBlock)[1] = q[1];
+  }
+}
+
+// route: one warp, in (token, slot) order, so a segment keeps its rows in that order without a
+// sort. Counts first (any order), then positions: __match_any_sync groups the equal ids of 32
+// consecutive entries; the running count per expert lives in shared memory.
+__global__ void route_kernel(const int32_t* ids, int64_t n, int32_t E, int32_t* send_counts,
+                             int32_t* send_pos, int32_t* num_invalid) {
+  extern __shared__ int32_t smem[];  // counts[E], cursor[E]
+  int32_t* counts = smem;
+  int32_t* cursor = smem + E;
+  const int lane = threadIdx.x;
+  for (int e = lane; e < E; e += kWarp) counts[e] = 0;
+  __syncwarp();
+  int invalid = 0;
+  for (int64_t i = lane; i < n; i += kWarp) {
+    const int32_t id = ids[i];
+    invalid += id >= E;
+    if (id >= 0 && id < E) atomicAdd(&counts[id], 1);
+  }
+  __syncwarp();
+  for (int o = 16; o; o >>= 1) invalid += __shfl_xor_sync(0xFFFFFFFFu, invalid, o);
+  if (lane == 0) {
+    *num_invalid = invalid;
+    int32_t run = 0;
+    for (int e = 0; e < E; ++e) cursor[e] = run, run += counts[e];
+  }
+  __syncwarp();
+  for (int e = lane; e < E; e += kWarp) send_counts[e] = counts[e];
+  for (int64_t base = 0; base < n; base += kWarp) {
+    const int64_t i = base + lane;
+    const int32_t id = i < n ? ids[i] : -1;
+    const bool valid = id >= 0 && id < E;
+    const uint32_t peers = __match_any_sync(0xFFFFFFFFu, valid ? id : -1);
+    const uint32_t before = peers & ((1u << lane) - 1u);
+    int32_t pos = -1;
+    if (valid) pos = cursor[id] + __popc(before);
+    __syncwarp();
+    if (valid && before == 0) cursor[id] += __popc(peers);  // the lowest lane of each group
+    __syncwarp();
+    if (i < n) send_pos[i] = pos;
+  }
+}
+
+// qpack / pack: one warp per token; lane j handles MX blocks j, j + 32, ...; each block is
+// quantised (qpack) or read (pack) once and stored to every send row of the token.
+template <bool kQuantize>
+__global__ void pack_kernel(const uint16_t* x, const uint8_t* x_values, const uint8_t* x_scales,
+                            const float* weights, const int32_t* send_pos, int64_t T, int K,
+                            int64_t H, uint8_t* values, uint8_t* scales, int32_t* token,
+                            int32_t* slot, float* weight) {
+  const int lane = threadIdx.x % kWarp;
+  const int64_t t = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / kWarp;
+  if (t >= T) return;
+  const int64_t HS = H / kBlock;
+  int32_t pos[16];
+  int routed = 0;
+#pragma unroll
+  for (int k = 0; k < 16; ++k) {
+    pos[k] = k < K ? send_pos[t * K + k] : -1;
+    routed |= pos[k] >= 0;
+  }
+  if (!routed) return;
+  if (lane < K && pos[lane] >= 0) {
+    token[pos[lane]] = int32_t(t);
+    slot[pos[lane]] = lane;
+    weight[pos[lane]] = weights[t * K + lane];
+  }
+  for (int64_t b = lane; b < HS; b += kWarp) {
+    uint4 q[2];
+    uint8_t s;
+    if (kQuantize) {
+      float v[kBlock];
+      load_block<uint16_t>(x + t * H + b * kBlock, v);
+      quantize_to_words(v, q, &s);
+    } else {
+      const uint4* src = reinterpret_cast<const uint4*>(x_values + t * H + b * kBlock);
+      q[0] = src[0], q[1] = src[1];
+      s = x_scales[t * HS + b];
+    }
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+      if (pos[k] < 0) continue;
+      uint4* dst = reinterpret_cast<uint4*>(values + pos[k] * H + b * kBlock);
+      dst[0] = q[0], dst[1] = q[1];
+      scales[pos[k] * HS + b] = s;
+    }
+  }
+}
+
+// §4 offsets of EL experts from per-expert totals, in shared memory (EL is at most a few hundred).
+__device__ __forceinline__ void landing_layout_smem(const int32_t* total, int EL, int64_t row_align,
+                                                    int64_t m_cap, int32_t* offsets,
+                                                    int32_t* counts, int32_t* dropped) {
+  if (threadIdx.x == 0) {
+    int64_t off = 0, drop = 0;
+    for (int e = 0; e < EL; ++e) {
+      const int64_t start = off < m_cap ? off : m_cap;
+      int64_t kept = total[e] < m_cap - start ? total[e] : m_cap - start;
+      offsets[e] = int32_t(start);
+      counts[e] = int32_t(kept);
+      drop += total[e] - kept;
+      off += (int64_t(total[e]) + row_align - 1) / row_align * row_align;
+    }
+    *dropped = int32_t(drop);
+  }
+  __syncthreads();
+}
+
+// The expert whose landed rows hold `row`, or -1 for a padding row.
+__device__ __forceinline__ int expert_of_row(const int32_t* offsets, const int32_t* counts, int EL,
+                                             int64_t row) {
+  int lo = 0, hi = EL - 1;  // last expert with offset <= row
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (offsets[mid] <= row) lo = mid; else hi = mid - 1;
+  }
+  return (row >= offsets[lo] && row < offsets[lo] + counts[lo]) ? lo : -1;
+}
+
+// dispatch with R = 1: every landing row, landed or padding, written by one warp.
+__global__ void dispatch_local_kernel(const uint8_t* values, const uint8_t* scales,
+                                      const int32_t* token, const int32_t* slot,
+                                      const float* weight, const int32_t* send_counts, int EL,
+                                      int64_t H, int64_t m_cap, int64_t row_align,
+                                      uint8_t* out_values, uint8_t* out_scales, int32_t* src_rank,
+                                      int32_t* out_token, int32_t* out_slot, float* out_weight,
+                                      int32_t* expert_offsets, int32_t* expert_counts,
+                                      int32_t* num_rows, int32_t* overflow) {
+  extern __shared__ int32_t smem[];  // offsets[EL], counts[EL], seg_start[EL], dropped
+  int32_t* offsets = smem;
+  int32_t* counts = smem + EL;
+  int32_t* seg_start = smem + 2 * EL;
+  landing_layout_smem(send_counts, EL, row_align, m_cap, offsets, counts, smem + 3 * EL);
+  if (threadIdx.x == 0) {
+    int32_t run = 0;
+    for (int e = 0; e < EL; ++e) seg_start[e] = run, run += send_counts[e];
+    if (blockIdx.x == 0) {
+      int32_t rows = 0;
+      for (int e = 0; e < EL; ++e) {
+        expert_offsets[e] = offsets[e];
+        expert_counts[e] = counts[e];
+        rows += counts[e];
+      }
+      *num_rows = rows;
+      *overflow = smem[3 * EL];
+    }
+  }
+  __syncthreads();
+  const int lane = threadIdx.x % kWarp;
+  const int64_t HS = H / kBlock;
+  for (int64_t r = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / kWarp; r < m_cap;
+       r += int64_t(gridDim.x) * blockDim.x / kWarp) {
+    const int e = expert_of_row(offsets, counts, EL, r);
+    const int64_t p = e < 0 ? -1 : seg_start[e] + (r - offsets[e]);
+    uint4* dst = reinterpret_cast<uint4*>(out_values + r * H);
+    const uint4* src = reinterpret_cast<const uint4*>(values + p * H);
+    for (int64_t c = lane; c < H / 16; c += kWarp) dst[c] = p < 0 ? make_uint4(0, 0, 0, 0) : src[c];
+    for (int64_t c = lane; c < HS; c += kWarp) out_scales[r * HS + c] = p < 0 ? 0 : scales[p * HS + c];
+    if (lane == 0) {
+      src_rank[r] = p < 0 ? -1 : 0;
+      out_token[r] = p < 0 ? -1 : token[p];
+      out_slot[r] = p < 0 ? -1 : slot[p];
+      out_weight[r] = p < 0 ? 0.0f : weight[p];
+    }
+  }
+}
+
+// gemm1's padding rows: bf16 zeros, or MX-fp8 zeros (value 0, scale 85 = quantised zero block).
+__global__ void zero_padding_rows_kernel(const int32_t* expert_offsets,
+                                         const int32_t* expert_counts, int EL, int64_t m_cap,
+                                         int64_t row_bytes, uint8_t* h, uint8_t* h_scales,
+                                         int64_t scale_bytes) {
+  extern __shared__ int32_t smem[];
+  for (int e = threadIdx.x; e < EL; e += blockDim.x)
+    smem[e] = expert_offsets[e], smem[EL + e] = expert_counts[e];
+  __syncthreads();
+  const int lane = threadIdx.x % kWarp;
+  for (int64_t r = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / kWarp; r < m_cap;
+       r += int64_t(gridDim.x) * blockDim.x / kWarp) {
+    if (expert_of_row(smem, smem + EL, EL, r) >= 0) continue;
+    uint4* dst = reinterpret_cast<uint4*>(h + r * row_bytes);
+    for (int64_t c = lane; c < row_bytes / 16; c += kWarp) dst[c] = make_uint4(0, 0, 0, 0);
+    if (h_scales)
+      for (int64_t c = lane; c < scale_bytes; c += kWarp) h_scales[r * scale_bytes + c] = 85;
+  }
+}
+
+}  // namespace cuda
+}  // namespace jsm

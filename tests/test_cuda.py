@@ -1,0 +1,210 @@
+"""CUDA backend on one GPU (engine "local", R = 1) against the reference and the CPU backend.
+
+Skips without a GPU. JSM_REQUIRE_CUDA=1 (set by the device scripts) turns a missing GPU or a
+build without CUDA kernels into a failure instead of a skip.
+"""
+import os
+
+import _util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+from jax.sharding import PartitionSpec as P
+
+import jax_sdma_moe as jsm
+from jax_sdma_moe import primitives, reference
+from test_quantize import special_blocks
+
+
+def _gpu():
+  try:
+    gpus = jax.devices("gpu")
+  except RuntimeError:
+    gpus = []
+  if not gpus:
+    return None, "no GPU"
+  if "cuda" not in primitives.registered_platforms():
+    return None, "jax_sdma_moe was built without CUDA kernels"
+  return gpus[0], None
+
+
+GPU, WHY = _gpu()
+if GPU is None and os.environ.get("JSM_REQUIRE_CUDA") == "1":
+  raise RuntimeError(f"JSM_REQUIRE_CUDA=1 but {WHY}")
+CPU = jax.devices("cpu")[0]
+
+
+def on(dev, tree):
+  return jax.device_put(tree, dev)
+
+
+def cpu_ref(fn, *args, **kw):
+  with jax.default_device(CPU):
+    return fn(*on(CPU, args), **kw)
+
+
+@absltest.skipIf(GPU is None, WHY or "")
+class CudaStagesTest(parameterized.TestCase):
+
+  @parameterized.parameters(jnp.bfloat16, jnp.float32)
+  def test_quantize_bytes(self, dtype):
+    r = _util.rng()
+    x = r.standard_normal((512, 512)) * np.exp(r.uniform(-30, 30, (512, 16, 1))).repeat(32, -1).reshape(512, 512)
+    x = np.concatenate([x[:, :32], special_blocks(r).repeat(16, 0)[:512]], 0)
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(jnp.bfloat16).reshape(-1, 32)
+    for arr in (jnp.asarray(x, dtype), jnp.asarray(bits).astype(dtype)):
+      got = jax.jit(jsm.quantize)(on(GPU, arr))
+      want = cpu_ref(reference.quantize, arr)
+      np.testing.assert_array_equal(_util.as_bytes(got.values), _util.as_bytes(want.values))
+      np.testing.assert_array_equal(np.asarray(got.scales), np.asarray(want.scales))
+
+  @parameterized.parameters(("uniform", 1, 256, 8, 4096), ("masked", 4, 32, 4, 777),
+                            ("invalid", 8, 384, 6, 129), ("uniform", 2, 16, 1, 1))
+  def test_route_qpack_pack(self, routing, R, E, K, T):
+    r = _util.rng()
+    H = 512
+    ids = _util.make_ids(r, R, -(-T // R), K, E, routing)[:T]
+    x = jnp.asarray(r.standard_normal((T, H)), jnp.bfloat16)
+    w = jnp.asarray(r.random((T, K)), jnp.float32)
+    got_r = jax.jit(primitives.route, static_argnums=(1, 2))(on(GPU, ids), R, E // R)
+    want_r = cpu_ref(reference.route, ids, R, E // R)
+    for name, a, b in zip(got_r._fields, got_r, want_r):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+    used = int(np.asarray(want_r.send_counts).sum())
+    want = cpu_ref(lambda x, w, p: reference.pack(reference.quantize(x), w, p), x, w, want_r.send_pos)
+    for got in (jax.jit(primitives.qpack)(on(GPU, x), on(GPU, w), got_r.send_pos),
+                jax.jit(primitives.pack)(jsm.quantize(on(GPU, x)), on(GPU, w), got_r.send_pos)):
+      for name, a, b in zip(got._fields, got, want):
+        a, b = _util.as_bytes(a), _util.as_bytes(b)
+        if name in ("token", "slot", "weight"):
+          np.testing.assert_array_equal(a, b, err_msg=name)  # rows past the routed ones too
+        else:
+          np.testing.assert_array_equal(a[:used], b[:used], err_msg=name)
+
+
+SHAPE_CASES = [(s, T, routing) for s in ("small", "dsv3", "v4pro") for T in (1, 7, 128, 4096)
+               for routing in ("uniform",)] + [("dsv3", 4096, "skewed"), ("small", 128, "skewed"),
+                                                ("v4pro", 128, "skewed")]
+
+
+@absltest.skipIf(GPU is None, WHY or "")
+class CudaGemm1Test(parameterized.TestCase):
+  """gemm1 (and the local dispatch feeding it) against a per-expert float32 reference."""
+  weights = {}
+
+  @classmethod
+  def w1q(cls, name):
+    if name not in cls.weights:
+      cls.weights.clear()
+      s = jsm.SHAPES[name]
+      key = jax.random.key(np.random.SeedSequence().entropy % (2**31))
+      w1 = jax.random.normal(key, (s.num_experts, 2 * s.intermediate, s.hidden), jnp.bfloat16,
+                             ) * jnp.bfloat16(1.0 / np.sqrt(s.hidden))
+      cls.weights[name] = jax.block_until_ready(jax.jit(jsm.quantize_w1)(on(GPU, w1)))
+    return cls.weights[name]
+
+  @parameterized.parameters(*SHAPE_CASES)
+  def test_stage1_local(self, shape_name, T, routing):
+    s = jsm.SHAPES[shape_name]
+    r = _util.rng()
+    E, K, H, I = s.num_experts, s.topk, s.hidden, s.intermediate
+    if routing == "skewed":  # one expert gets every token, most experts none
+      ids = np.stack([np.concatenate([[0], 1 + r.permutation(7)[:K - 1]]) for _ in range(T)])
+    else:
+      ids = np.stack([r.permutation(E)[:K] for _ in range(T)])
+    x = jnp.asarray(r.standard_normal((T, H)) * r.uniform(0.5, 2, (T, 1)), jnp.bfloat16)
+    w = jnp.asarray(r.random((T, K)), jnp.float32)
+    w1q = self.w1q(shape_name)
+    mesh = jax.sharding.Mesh(np.array([GPU]), ("ep",))
+    for out_dtype in ("bf16", "mxfp8"):
+      cfg = jsm.Stage1Config(engine="local", swiglu_limit=s.swiglu_limit, out_dtype=out_dtype)
+      rt = jsm.Runtime(mesh, "ep", cfg)
+      f = jax.jit(jax.shard_map(lambda x, i, w, q: jsm.stage1(x, (i, w), q, runtime=rt),
+                                mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+      out = f(on(GPU, x), on(GPU, jnp.asarray(ids, jnp.int32)), on(GPU, w), w1q)
+      cap = jsm.layout.m_cap(1, T, K, E, cfg.row_align)
+      landed = jax.jit(reference.dispatch, static_argnums=(3, 4, 5))(
+          jax.tree.map(lambda a: a[None], jsm.quantize(on(GPU, x))),
+          on(GPU, jnp.asarray(ids, jnp.int32))[None], on(GPU, w)[None], E, cfg.row_align, cap)
+      for name in ("expert_offsets", "expert_counts", "src_rank", "src_token", "topk_slot",
+                   "topk_weight", "num_rows", "overflow"):
+        np.testing.assert_array_equal(np.asarray(getattr(out, name)),
+                                      np.asarray(getattr(landed, name))[0], err_msg=name)
+      self.check_experts(out, landed, w1q, s.swiglu_limit, out_dtype, r)
+
+  def check_experts(self, out, landed, w1q, limit, out_dtype, r):
+    offs, cnts = np.asarray(out.expert_offsets), np.asarray(out.expert_counts)
+    nonempty = np.flatnonzero(cnts)
+    pick = set(nonempty[:2]) | set(nonempty[-2:]) | {int(np.argmax(cnts))}
+    pick |= set(r.choice(nonempty, min(4, len(nonempty)), replace=False))
+    h = out.h
+    got = np.asarray(reference.dequantize(*h)) if out_dtype == "mxfp8" else np.asarray(h, np.float32)
+    landed_rows = np.zeros(got.shape[0], bool)
+    for e in range(len(offs)):
+      landed_rows[offs[e]:offs[e] + cnts[e]] = True
+    self.assertTrue((got[~landed_rows] == 0).all(), "padding rows must be 0")
+    for e in sorted(pick):
+      rows = slice(int(offs[e]), int(offs[e] + cnts[e]))
+      a = reference.dequantize(landed.values[0, rows], landed.scales[0, rows])
+      wt = reference.dequantize(w1q.values[e], w1q.scales[e])
+      gu = jnp.matmul(a, wt.T, precision=jax.lax.Precision.HIGHEST)
+      I = wt.shape[0] // 2
+      ref = reference.swiglu(gu[:, :I], gu[:, I:], limit)
+      if out_dtype == "mxfp8":
+        ref = reference.dequantize(*reference.quantize(ref))
+      ref, g = np.asarray(ref), got[rows]
+      self.assertFalse(np.isnan(g).any())
+      err = np.linalg.norm(g - ref) / np.linalg.norm(ref)
+      self.assertLessEqual(err, 4e-3, f"expert {e}: relative error {err:.2e}")
+      if out_dtype == "bf16":
+        self.assertLessEqual(np.abs(g - ref).max(), 1e-2 * np.abs(ref).max(), f"expert {e}")
+
+
+@absltest.skipIf(GPU is None, WHY or "")
+class CudaStage1Test(parameterized.TestCase):
+
+  @parameterized.parameters("bf16", "mxfp8")
+  def test_gpu_equals_cpu_backend(self, out_dtype):
+    """R = 1: the same layout, values within the §3 tolerance of each other and the reference."""
+    r = _util.rng()
+    s = jsm.SHAPES["small"]
+    T = 200
+    x, ids, w, w1q = _util.make_problem(r, 1, T, s.hidden, s.intermediate, s.num_experts, s.topk,
+                                        "masked")
+    outs = {}
+    for dev in (GPU, CPU):
+      mesh = jax.sharding.Mesh(np.array([dev]), ("ep",))
+      cfg = jsm.Stage1Config(engine="local", out_dtype=out_dtype, row_align=64)
+      with jsm.Runtime(mesh, "ep", cfg) as rt:
+        f = jax.jit(jax.shard_map(lambda x, i, w, q: jsm.stage1(x, (i, w), q, runtime=rt),
+                                  mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+        outs[dev.platform] = jax.tree.map(np.asarray, f(*on(dev, (x, ids, w, w1q))))
+    ref, h32 = _util.reference(x, ids, w, w1q, 1, cfg, T)
+    for out in outs.values():
+      _util.check_stage1(self, jax.tree.map(lambda a: a[None], out), ref, h32, out_dtype)
+
+  def test_back_to_back(self):
+    """100 calls with fresh inputs on one Runtime, every output checked."""
+    r = _util.rng()
+    s = jsm.SHAPES["small"]
+    T = 64
+    mesh = jax.sharding.Mesh(np.array([GPU]), ("ep",))
+    cfg = jsm.Stage1Config(engine="local")
+    rt = jsm.Runtime(mesh, "ep", cfg)
+    f = jax.jit(jax.shard_map(lambda x, i, w, q: jsm.stage1(x, (i, w), q, runtime=rt),
+                              mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+    _, _, _, w1q = _util.make_problem(r, 1, 1, s.hidden, s.intermediate, s.num_experts, s.topk)
+    ref_fn = jax.jit(lambda x, i, w: _util.reference(x, i, w, w1q, 1, cfg, T))
+    for i in range(100):
+      x = jnp.asarray(r.standard_normal((T, s.hidden)), jnp.bfloat16)
+      w = jnp.asarray(r.random((T, s.topk)), jnp.float32)
+      ids = _util.make_ids(r, 1, T, s.topk, s.num_experts, ("uniform", "masked")[i % 2])
+      out = jax.tree.map(lambda a: np.asarray(a)[None], f(*on(GPU, (x, ids, w, w1q))))
+      ref, h32 = ref_fn(x, ids, w)
+      _util.check_stage1(self, out, ref, h32, "bf16")
+
+
+if __name__ == "__main__":
+  absltest.main()
