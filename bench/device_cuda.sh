@@ -15,12 +15,12 @@ for step in "${@:-all}"; do
   if [[ $step == tests || $step == all ]]; then
     python3 -m pytest -q -p no:cacheprovider "$REPO/tests/test_cuda.py" 2>&1 | tee "$OUT/tests.log" | tail -25
   fi
+  if [[ $step == bench || $step == all ]]; then
+    python3 "$REPO/bench/gpu_quick.py" dsv3 v4pro 2>&1 | tee "$OUT/bench.log" | tail -12
+  fi
   if [[ $step == sanitize || $step == all ]]; then
     XLA_PYTHON_CLIENT_PREALLOCATE=false compute-sanitizer --tool memcheck --error-exitcode 9 \
       python3 "$REPO/tests/cuda_smoke.py" 2>&1 | tail -8
     echo "compute-sanitizer rc=$?"
-  fi
-  if [[ $step == bench || $step == all ]]; then
-    python3 "$REPO/bench/gpu_quick.py" dsv3 v4pro 2>&1 | tee "$OUT/bench.log" | tail -12
   fi
 done

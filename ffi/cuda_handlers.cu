@@ -3,7 +3,6 @@
 // kernels/cuda, launched on XLA's stream.
 #include <cuda_runtime.h>
 
-#include <mutex>
 #include <string>
 
 #include "cuda_handlers.h"
@@ -197,11 +196,9 @@ ffi::Error Gemm1Impl(cudaStream_t stream, ffi::AnyBuffer a_values, ffi::AnyBuffe
     row_bytes = g.I;
     scale_bytes = g.I / jsm::kBlock;
   }
-  static std::once_flag attr_once;
-  std::call_once(attr_once, [] {
-    cudaFuncSetAttribute(v1::gemm1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         v1::kSmemBytes);
-  });
+  // per call: the attribute belongs to the current device's context
+  cudaFuncSetAttribute(v1::gemm1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                       v1::kSmemBytes);
   jsm::cuda::zero_padding_rows_kernel<<<grid_for(g.m_cap, 8), 256, 2 * g.EL * sizeof(int32_t),
                                         stream>>>(g.offsets, g.counts, g.EL, g.m_cap, row_bytes,
                                                   static_cast<uint8_t*>((*h)->untyped_data()), hs,
