@@ -13,10 +13,10 @@ grep -A3 "gemm1_kernel" "$OUT/build.log" | grep -E "registers|spill" | head -4
 cd /tmp
 for step in "${@:-all}"; do
   if [[ $step == tests || $step == all ]]; then
-    python3 -m pytest -q -p no:cacheprovider "$REPO/tests/test_cuda.py" 2>&1 | tee "$OUT/tests.log" | tail -25
+    python3 -m pytest -q -p no:cacheprovider "$REPO/tests/test_cuda.py" ${JSM_TEST_FILTER:+-k "$JSM_TEST_FILTER"} 2>&1 | tee "$OUT/tests.log" | tail -25
   fi
   if [[ $step == bench || $step == all ]]; then
-    python3 "$REPO/bench/gpu_quick.py" dsv3 v4pro 2>&1 | tee "$OUT/bench.log" | tail -12
+    python3 "$REPO/bench/gpu_quick.py" ${JSM_BENCH_SHAPES:-dsv3 v4pro} 2>&1 | tee "$OUT/bench.log" | tail -12
   fi
   if [[ $step == sanitize || $step == all ]]; then
     XLA_PYTHON_CLIENT_PREALLOCATE=false compute-sanitizer --tool memcheck --error-exitcode 9 \

@@ -178,6 +178,9 @@ ffi::Error Gemm1Impl(cudaStream_t stream, ffi::AnyBuffer a_values, ffi::AnyBuffe
   g.m_cap = rows_of(a_values);
   g.has_limit = has_limit;
   g.limit = swiglu_limit;
+  g.scales_aligned = (g.H / jsm::kBlock) % v1::KB == 0 &&
+                     reinterpret_cast<uintptr_t>(g.a_scales) % 4 == 0 &&
+                     reinterpret_cast<uintptr_t>(g.w_scales) % 4 == 0;
   if (g.EL > v1::kMaxExperts)
     return ffi::Error::InvalidArgument("jax_sdma_moe gemm1 (CUDA): more than 1024 local experts");
   auto h = rets.get<ffi::AnyBuffer>(0);

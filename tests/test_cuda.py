@@ -84,9 +84,9 @@ class CudaStagesTest(parameterized.TestCase):
           np.testing.assert_array_equal(a[:used], b[:used], err_msg=name)
 
 
-SHAPE_CASES = [(s, T, routing) for s in ("small", "dsv3", "v4pro") for T in (1, 7, 128, 4096)
-               for routing in ("uniform",)] + [("dsv3", 4096, "skewed"), ("small", 128, "skewed"),
-                                                ("v4pro", 128, "skewed")]
+SHAPE_CASES = [(f"{s}_T{T}_{routing}", s, T, routing) for s, T, routing in
+               [(s, T, "uniform") for s in ("small", "dsv3", "v4pro") for T in (1, 7, 128, 4096)]
+               + [("dsv3", 4096, "skewed"), ("small", 128, "skewed"), ("v4pro", 128, "skewed")]]
 
 
 @absltest.skipIf(GPU is None, WHY or "")
@@ -105,7 +105,7 @@ class CudaGemm1Test(parameterized.TestCase):
       cls.weights[name] = jax.block_until_ready(jax.jit(jsm.quantize_w1)(on(GPU, w1)))
     return cls.weights[name]
 
-  @parameterized.parameters(*SHAPE_CASES)
+  @parameterized.named_parameters(*SHAPE_CASES)
   def test_stage1_local(self, shape_name, T, routing):
     s = jsm.SHAPES[shape_name]
     r = _util.rng()

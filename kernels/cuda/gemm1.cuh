@@ -32,6 +32,7 @@ struct Gemm1Args {
   int64_t H, I, m_cap;
   bool has_limit;
   float limit;
+  bool scales_aligned;  // H % 128 == 0: a stage's 4 scale bytes of a row are one aligned word
   uint16_t* h_bf16;    // [m_cap, I] or null
   uint8_t* h_values;   // [m_cap, I] or null (mxfp8 output)
   uint8_t* h_scales;   // [m_cap, I/32]
@@ -44,15 +45,15 @@ constexpr int KB = 4;                            // MX blocks per stage
 constexpr int KBYTES = KB * kBlock;              // 128 bytes of K per row per stage
 constexpr int STAGES = 4;
 constexpr int THREADS = 256;
-constexpr int kStageBytes = (BM + BNW) * KBYTES + (BM + BNW) * KB * 4;
+constexpr int kStageBytes = (BM + BNW) * KBYTES + (BM + BNW) * KB;
 constexpr int kSmemBytes = STAGES * kStageBytes;
 constexpr int kMaxExperts = 1024;  // tile prefix in shared memory
 
 struct Stage {
   uint8_t a[BM * KBYTES];
   uint8_t b[BNW * KBYTES];
-  float sa[KB][BM];
-  float sb[KB][BNW];
+  uint8_t sa[BM][KB];   // e8m0 bytes, converted at use
+  uint8_t sb[BNW][KB];
 };
 static_assert(sizeof(Stage) == kStageBytes, "stage layout");
 
@@ -67,6 +68,10 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
                "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 4 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
 template <int N>
@@ -128,12 +133,26 @@ __device__ __forceinline__ void issue_stage(const Gemm1Args& g, const Tile& t, i
     const bool vb = kvalid && col < g.I;
     cp_async16(s.b + swz(r, c), vb ? wbase + wrow * g.H + kbyte : g.w, vb);
   }
-  // scales: thread -> rows tid / 2 (A) and tid / 2 (B), MX blocks (tid & 1) * 2 + {0, 1}
-  const int r = tid >> 1;
+  // scales. Aligned: one 4-byte cp.async per row (threads 0-127: A rows, 128-255: weight rows).
   const uint8_t* ws = g.w_scales + int64_t(t.e) * 2 * g.I * HS;
+  const int64_t kb0 = int64_t(ks) * KB;
+  if (g.scales_aligned) {
+    const int r = tid & (BM - 1);
+    if (tid < BM) {
+      const bool v = r < t.rows && kb0 < HS;
+      cp_async4(s.sa[r], v ? g.a_scales + (t.row0 + r) * HS + kb0 : g.a_scales, v);
+    } else {
+      const int64_t col = t.n0 + (r & (BN - 1));
+      const bool v = col < g.I && kb0 < HS;
+      cp_async4(s.sb[r], v ? ws + ((r < BN ? 0 : g.I) + col) * HS + kb0 : g.w_scales, v);
+    }
+    return;
+  }
+  // otherwise bytes through registers: rows tid / 2, MX blocks (tid & 1) * 2 + {0, 1}
+  const int r = tid >> 1;
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
-    const int64_t kb = int64_t(ks) * KB + (tid & 1) * 2 + j;
+    const int64_t kb = kb0 + (tid & 1) * 2 + j;
     const bool ka = kb < HS;
     sr.a[j] = (ka && r < t.rows) ? g.a_scales[(t.row0 + r) * HS + kb] : 0;
     const int64_t col = t.n0 + (r & (BN - 1));
@@ -142,14 +161,15 @@ __device__ __forceinline__ void issue_stage(const Gemm1Args& g, const Tile& t, i
   }
 }
 
-__device__ __forceinline__ void store_scales(Stage& s, const ScaleRegs& sr) {
+__device__ __forceinline__ void store_scales(const Gemm1Args& g, Stage& s, const ScaleRegs& sr) {
+  if (g.scales_aligned) return;
   const int tid = threadIdx.x;
   const int r = tid >> 1;
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int kb = (tid & 1) * 2 + j;
-    s.sa[kb][r] = e8m0_to_f32(sr.a[j]);
-    s.sb[kb][r] = e8m0_to_f32(sr.b[j]);
+    s.sa[r][kb] = sr.a[j];
+    s.sb[r][kb] = sr.b[j];
   }
 }
 
@@ -202,7 +222,7 @@ __global__ void __launch_bounds__(THREADS, 1) gemm1_kernel(const Gemm1Args g) {
     for (int s = 0; s < STAGES - 1; ++s) {
       if (s < num_k) {
         issue_stage(g, t, s, stages[s], sr);
-        store_scales(stages[s], sr);
+        store_scales(g, stages[s], sr);
       }
       cp_async_commit();
     }
@@ -214,8 +234,11 @@ __global__ void __launch_bounds__(THREADS, 1) gemm1_kernel(const Gemm1Args g) {
       if (has_next) issue_stage(g, t, next, stages[next % STAGES], sr);
       cp_async_commit();
       const Stage& s = stages[ks % STAGES];
+      // rows past the tile's valid ones are zeros: a warp (or m16 tile) with none skips its MMAs
+      const bool warp_active = wm * 32 < t.rows;
+      const bool m1_active = wm * 32 + 16 < t.rows;
 #pragma unroll
-      for (int kb = 0; kb < KB; ++kb) {
+      for (int kb = 0; kb < KB && warp_active; ++kb) {
         uint32_t af[2][4], bf[8][2];
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
@@ -235,13 +258,14 @@ __global__ void __launch_bounds__(THREADS, 1) gemm1_kernel(const Gemm1Args g) {
 #pragma unroll
         for (int m = 0; m < 2; ++m)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) sa[m][h] = s.sa[kb][wm * 32 + m * 16 + grp + 8 * h];
+          for (int h = 0; h < 2; ++h) sa[m][h] = e8m0_to_f32(s.sa[wm * 32 + m * 16 + grp + 8 * h][kb]);
 #pragma unroll
         for (int n = 0; n < 8; ++n) {
-          const float* sbp = &s.sb[kb][(n < 4 ? 0 : BN) + wn * 32 + (n & 3) * 8 + tig * 2];
-          const float sb0 = sbp[0], sb1 = sbp[1];
+          const int col = (n < 4 ? 0 : BN) + wn * 32 + (n & 3) * 8 + tig * 2;
+          const float sb0 = e8m0_to_f32(s.sb[col][kb]), sb1 = e8m0_to_f32(s.sb[col + 1][kb]);
 #pragma unroll
           for (int m = 0; m < 2; ++m) {
+            if (m == 1 && !m1_active) continue;
             float d[4];
             mma_e4m3(d, af[m], bf[n]);
             acc[m][n][0] += d[0] * (sa[m][0] * sb0);
@@ -251,7 +275,7 @@ __global__ void __launch_bounds__(THREADS, 1) gemm1_kernel(const Gemm1Args g) {
           }
         }
       }
-      if (has_next) store_scales(stages[next % STAGES], sr);
+      if (has_next) store_scales(g, stages[next % STAGES], sr);
     }
     cp_async_wait<0>();
 
