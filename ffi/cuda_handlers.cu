@@ -3,6 +3,7 @@
 // kernels/cuda, launched on XLA's stream.
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <string>
 
 #include "cuda_handlers.h"
@@ -157,6 +158,18 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer values, ffi::AnyBuff
   return last_error("dispatch");
 }
 
+template <class C>
+void launch_gemm1(jsm::cuda::Gemm1Args g, cudaStream_t stream) {
+  namespace v1 = jsm::cuda::gemm1_v1;
+  g.scales_aligned = (g.H / jsm::kBlock) % C::KB == 0 &&
+                     reinterpret_cast<uintptr_t>(g.a_scales) % C::KB == 0 &&
+                     reinterpret_cast<uintptr_t>(g.w_scales) % C::KB == 0;
+  // per call: the attribute belongs to the current device's context
+  cudaFuncSetAttribute(v1::gemm1_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                       C::kSmemBytes);
+  v1::gemm1_kernel<C><<<num_sms(), v1::THREADS, C::kSmemBytes, stream>>>(g);
+}
+
 ffi::Error Gemm1Impl(cudaStream_t stream, ffi::AnyBuffer a_values, ffi::AnyBuffer a_scales,
                      S32Vec expert_offsets, S32Vec expert_counts, ffi::AnyBuffer w_values,
                      ffi::AnyBuffer w_scales, ffi::RemainingRets rets, bool has_limit,
@@ -178,9 +191,6 @@ ffi::Error Gemm1Impl(cudaStream_t stream, ffi::AnyBuffer a_values, ffi::AnyBuffe
   g.m_cap = rows_of(a_values);
   g.has_limit = has_limit;
   g.limit = swiglu_limit;
-  g.scales_aligned = (g.H / jsm::kBlock) % v1::KB == 0 &&
-                     reinterpret_cast<uintptr_t>(g.a_scales) % 4 == 0 &&
-                     reinterpret_cast<uintptr_t>(g.w_scales) % 4 == 0;
   if (g.EL > v1::kMaxExperts)
     return ffi::Error::InvalidArgument("jax_sdma_moe gemm1 (CUDA): more than 1024 local experts");
   auto h = rets.get<ffi::AnyBuffer>(0);
@@ -199,16 +209,22 @@ ffi::Error Gemm1Impl(cudaStream_t stream, ffi::AnyBuffer a_values, ffi::AnyBuffe
     row_bytes = g.I;
     scale_bytes = g.I / jsm::kBlock;
   }
-  // per call: the attribute belongs to the current device's context
-  cudaFuncSetAttribute(v1::gemm1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                       v1::kSmemBytes);
   jsm::cuda::zero_padding_rows_kernel<<<grid_for(g.m_cap, 8), 256, 2 * g.EL * sizeof(int32_t),
                                         stream>>>(g.offsets, g.counts, g.EL, g.m_cap, row_bytes,
                                                   static_cast<uint8_t*>((*h)->untyped_data()), hs,
                                                   scale_bytes);
   JSM_RETURN_IF_ERROR(last_error("gemm1 padding"));
-  if (g.m_cap > 0)
-    v1::gemm1_kernel<<<num_sms(), v1::THREADS, v1::kSmemBytes, stream>>>(g);
+  if (g.m_cap > 0) {
+    // stage depth: JSM_GEMM1_KB=4 (128 B of K per row per stage) or 8 (256 B, the default)
+    static const int kb = [] {
+      const char* v = getenv("JSM_GEMM1_KB");
+      return v && atoi(v) == 4 ? 4 : 8;
+    }();
+    if (kb == 4)
+      launch_gemm1<v1::Cfg<4, 4>>(g, stream);
+    else
+      launch_gemm1<v1::Cfg<8, 3>>(g, stream);
+  }
   return last_error("gemm1");
 }
 

@@ -41,25 +41,26 @@ struct Gemm1Args {
 namespace gemm1_v1 {
 
 constexpr int BM = 128, BN = 64, BNW = 2 * BN;  // rows, output columns, weight rows per tile
-constexpr int KB = 4;                            // MX blocks per stage
-constexpr int KBYTES = KB * kBlock;              // 128 bytes of K per row per stage
-constexpr int STAGES = 4;
 constexpr int THREADS = 256;
-constexpr int kStageBytes = (BM + BNW) * KBYTES + (BM + BNW) * KB;
-constexpr int kSmemBytes = STAGES * kStageBytes;
 constexpr int kMaxExperts = 1024;  // tile prefix in shared memory
 
-struct Stage {
-  uint8_t a[BM * KBYTES];
-  uint8_t b[BNW * KBYTES];
-  uint8_t sa[BM][KB];   // e8m0 bytes, converted at use
-  uint8_t sb[BNW][KB];
+// KB MX blocks (KB * 32 bytes of K per row) per pipeline stage, STAGES stages.
+template <int KB_, int STAGES_>
+struct Cfg {
+  static constexpr int KB = KB_, STAGES = STAGES_, KBYTES = KB * kBlock, CH = KBYTES / 16;
+  struct Stage {
+    uint8_t a[BM * KBYTES];
+    uint8_t b[BNW * KBYTES];
+    uint8_t sa[BM][KB];  // e8m0 bytes, converted at use
+    uint8_t sb[BNW][KB];
+  };
+  static constexpr int kSmemBytes = STAGES * int(sizeof(Stage));
+  // 16-byte chunk c of smem row r sits at c ^ (r & 7): ldmatrix reads of 8 consecutive rows then
+  // hit 8 different bank groups.
+  static __device__ __forceinline__ int swz(int r, int c) {
+    return r * KBYTES + ((c ^ (r & 7)) << 4);
+  }
 };
-static_assert(sizeof(Stage) == kStageBytes, "stage layout");
-
-// 16-byte chunk c of a 128-byte smem row r sits at c ^ (r & 7): ldmatrix reads of 8 consecutive
-// rows then hit 8 different bank groups.
-__device__ __forceinline__ int swz(int r, int c) { return r * KBYTES + ((c ^ (r & 7)) << 4); }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -69,9 +70,10 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
                "r"(valid ? 16 : 0));
 }
-__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(valid ? 4 : 0));
+template <int N>
+__device__ __forceinline__ void cp_async_small(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "n"(N), "r"(valid ? N : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
 template <int N>
@@ -111,27 +113,29 @@ struct Tile {
 
 // Issues the cp.async copies of stage `ks` of a tile and loads its scale bytes into registers
 // (stored to shared memory later, so their latency overlaps the MMAs).
+template <class C>
 struct ScaleRegs {
-  uint8_t a[2], b[2];
+  uint8_t a[C::KB / 2], b[C::KB / 2];
 };
 
-__device__ __forceinline__ void issue_stage(const Gemm1Args& g, const Tile& t, int ks, Stage& s,
-                                            ScaleRegs& sr) {
+template <class C>
+__device__ __forceinline__ void issue_stage(const Gemm1Args& g, const Tile& t, int ks,
+                                            typename C::Stage& s, ScaleRegs<C>& sr) {
+  constexpr int KB = C::KB;
   const int tid = threadIdx.x;
   const int64_t HS = g.H / kBlock;
-  const int c = tid & 7;
-  const int64_t kbyte = int64_t(ks) * KBYTES + c * 16;
-  const bool kvalid = kbyte < g.H;
   const uint8_t* wbase = g.w + int64_t(t.e) * 2 * g.I * g.H;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int r = tid / 8 + 32 * i;
+  for (int i = 0; i < BM * C::CH / THREADS; ++i) {
+    const int idx = tid + THREADS * i, r = idx / C::CH, c = idx % C::CH;
+    const int64_t kbyte = int64_t(ks) * C::KBYTES + c * 16;
+    const bool kvalid = kbyte < g.H;
     const bool va = kvalid && r < t.rows;
-    cp_async16(s.a + swz(r, c), va ? g.a + (t.row0 + r) * g.H + kbyte : g.a, va);
+    cp_async16(s.a + C::swz(r, c), va ? g.a + (t.row0 + r) * g.H + kbyte : g.a, va);
     const int64_t col = t.n0 + (r & (BN - 1));
     const int64_t wrow = (r < BN ? 0 : g.I) + col;
     const bool vb = kvalid && col < g.I;
-    cp_async16(s.b + swz(r, c), vb ? wbase + wrow * g.H + kbyte : g.w, vb);
+    cp_async16(s.b + C::swz(r, c), vb ? wbase + wrow * g.H + kbyte : g.w, vb);
   }
   // scales. Aligned: one 4-byte cp.async per row (threads 0-127: A rows, 128-255: weight rows).
   const uint8_t* ws = g.w_scales + int64_t(t.e) * 2 * g.I * HS;
@@ -140,19 +144,19 @@ __device__ __forceinline__ void issue_stage(const Gemm1Args& g, const Tile& t, i
     const int r = tid & (BM - 1);
     if (tid < BM) {
       const bool v = r < t.rows && kb0 < HS;
-      cp_async4(s.sa[r], v ? g.a_scales + (t.row0 + r) * HS + kb0 : g.a_scales, v);
+      cp_async_small<KB>(s.sa[r], v ? g.a_scales + (t.row0 + r) * HS + kb0 : g.a_scales, v);
     } else {
       const int64_t col = t.n0 + (r & (BN - 1));
       const bool v = col < g.I && kb0 < HS;
-      cp_async4(s.sb[r], v ? ws + ((r < BN ? 0 : g.I) + col) * HS + kb0 : g.w_scales, v);
+      cp_async_small<KB>(s.sb[r], v ? ws + ((r < BN ? 0 : g.I) + col) * HS + kb0 : g.w_scales, v);
     }
     return;
   }
-  // otherwise bytes through registers: rows tid / 2, MX blocks (tid & 1) * 2 + {0, 1}
+  // otherwise bytes through registers: rows tid / 2, MX blocks (tid & 1) * KB / 2 + j
   const int r = tid >> 1;
 #pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const int64_t kb = kb0 + (tid & 1) * 2 + j;
+  for (int j = 0; j < KB / 2; ++j) {
+    const int64_t kb = kb0 + (tid & 1) * (KB / 2) + j;
     const bool ka = kb < HS;
     sr.a[j] = (ka && r < t.rows) ? g.a_scales[(t.row0 + r) * HS + kb] : 0;
     const int64_t col = t.n0 + (r & (BN - 1));
@@ -161,19 +165,24 @@ __device__ __forceinline__ void issue_stage(const Gemm1Args& g, const Tile& t, i
   }
 }
 
-__device__ __forceinline__ void store_scales(const Gemm1Args& g, Stage& s, const ScaleRegs& sr) {
+template <class C>
+__device__ __forceinline__ void store_scales(const Gemm1Args& g, typename C::Stage& s,
+                                             const ScaleRegs<C>& sr) {
   if (g.scales_aligned) return;
   const int tid = threadIdx.x;
   const int r = tid >> 1;
 #pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const int kb = (tid & 1) * 2 + j;
+  for (int j = 0; j < C::KB / 2; ++j) {
+    const int kb = (tid & 1) * (C::KB / 2) + j;
     s.sa[r][kb] = sr.a[j];
     s.sb[r][kb] = sr.b[j];
   }
 }
 
+template <class C>
 __global__ void __launch_bounds__(THREADS, 1) gemm1_kernel(const Gemm1Args g) {
+  constexpr int KB = C::KB, STAGES = C::STAGES;
+  using Stage = typename C::Stage;
   extern __shared__ __align__(128) uint8_t smem_raw[];
   Stage* stages = reinterpret_cast<Stage*>(smem_raw);
   __shared__ int32_t tile_start[kMaxExperts + 1];
@@ -217,12 +226,12 @@ __global__ void __launch_bounds__(THREADS, 1) gemm1_kernel(const Gemm1Args g) {
         for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
 
     __syncthreads();  // the previous tile's reads of every stage are done
-    ScaleRegs sr;
+    ScaleRegs<C> sr;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
       if (s < num_k) {
-        issue_stage(g, t, s, stages[s], sr);
-        store_scales(g, stages[s], sr);
+        issue_stage<C>(g, t, s, stages[s], sr);
+        store_scales<C>(g, stages[s], sr);
       }
       cp_async_commit();
     }
@@ -231,7 +240,7 @@ __global__ void __launch_bounds__(THREADS, 1) gemm1_kernel(const Gemm1Args g) {
       __syncthreads();
       const int next = ks + STAGES - 1;
       const bool has_next = next < num_k;
-      if (has_next) issue_stage(g, t, next, stages[next % STAGES], sr);
+      if (has_next) issue_stage<C>(g, t, next, stages[next % STAGES], sr);
       cp_async_commit();
       const Stage& s = stages[ks % STAGES];
       // rows past the tile's valid ones are zeros: a warp (or m16 tile) with none skips its MMAs
@@ -244,14 +253,14 @@ __global__ void __launch_bounds__(THREADS, 1) gemm1_kernel(const Gemm1Args g) {
         for (int m = 0; m < 2; ++m) {
           const int j = lane >> 3, i = lane & 7;
           const int row = wm * 32 + m * 16 + i + 8 * (j & 1);
-          ldmatrix_x4(af[m], s.a + swz(row, 2 * kb + (j >> 1)));
+          ldmatrix_x4(af[m], s.a + C::swz(row, 2 * kb + (j >> 1)));
         }
 #pragma unroll
         for (int p = 0; p < 4; ++p) {  // n-tile pairs: gate 0-1, 2-3, then up 0-1, 2-3
           const int j = lane >> 3, i = lane & 7;
           const int nbase = (p < 2 ? 0 : BN) + wn * 32 + (p & 1) * 16;
           uint32_t r[4];
-          ldmatrix_x4(r, s.b + swz(nbase + i + 8 * (j >> 1), 2 * kb + (j & 1)));
+          ldmatrix_x4(r, s.b + C::swz(nbase + i + 8 * (j >> 1), 2 * kb + (j & 1)));
           bf[2 * p][0] = r[0], bf[2 * p][1] = r[1], bf[2 * p + 1][0] = r[2], bf[2 * p + 1][1] = r[3];
         }
         float sa[2][2];
@@ -275,7 +284,7 @@ __global__ void __launch_bounds__(THREADS, 1) gemm1_kernel(const Gemm1Args g) {
           }
         }
       }
-      if (has_next) store_scales(g, stages[next % STAGES], sr);
+      if (has_next) store_scales<C>(g, stages[next % STAGES], sr);
     }
     cp_async_wait<0>();
 
