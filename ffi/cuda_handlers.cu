@@ -215,10 +215,11 @@ ffi::Error Gemm1Impl(cudaStream_t stream, ffi::AnyBuffer a_values, ffi::AnyBuffe
                                                   scale_bytes);
   JSM_RETURN_IF_ERROR(last_error("gemm1 padding"));
   if (g.m_cap > 0) {
-    // stage depth: JSM_GEMM1_KB=4 (128 B of K per row per stage) or 8 (256 B, the default)
+    // stage depth: JSM_GEMM1_KB=4 (128 B of K per row per stage, the default: measured 5-20%
+    // faster on an H200, docs/PERF.md) or 8 (256 B)
     static const int kb = [] {
       const char* v = getenv("JSM_GEMM1_KB");
-      return v && atoi(v) == 4 ? 4 : 8;
+      return v && atoi(v) == 8 ? 8 : 4;
     }();
     if (kb == 4)
       launch_gemm1<v1::Cfg<4, 4>>(g, stream);
