@@ -1,6 +1,6 @@
 """jax_sdma_moe: expert-parallel MoE Stage1 (routing, MX-fp8 quantisation, dispatch of token rows,
 grouped GEMM1 + SwiGLU) as XLA FFI custom calls. See DESIGN.md and docs/ARCHITECTURE.md."""
-from . import api, layout, primitives, reference
+from . import api, layout, primitives, reference  # noqa: F401  (public submodules)
 from .api import quantize, quantize_w1, stage1
 from .config import BENCH_TOKENS, SHAPES, MoEShape, Stage1Config
 from .runtime import Runtime

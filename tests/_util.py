@@ -70,7 +70,6 @@ def stage1_fn(m, rt, axis="ep", check=False, with_weights=True):
 
 
 def reference(x, ids, weights, w1q, R, cfg, T, cap=None):
-  H = (x.values if isinstance(x, jsm.MXFP8) else x).shape[-1]
   K = ids.shape[-1]
   EL = w1q.values.shape[0] // R
   cap = cap or jsm.layout.m_cap(R, T, K, EL, cfg.row_align, cfg.max_recv_rows)

@@ -109,7 +109,7 @@ class CudaGemm1Test(parameterized.TestCase):
   def test_stage1_local(self, shape_name, T, routing):
     s = jsm.SHAPES[shape_name]
     r = _util.rng()
-    E, K, H, I = s.num_experts, s.topk, s.hidden, s.intermediate
+    E, K, H = s.num_experts, s.topk, s.hidden
     if routing == "skewed":  # one expert gets every token, most experts none
       ids = np.stack([np.concatenate([[0], 1 + r.permutation(7)[:K - 1]]) for _ in range(T)])
     else:
