@@ -54,10 +54,11 @@ class Runtime:
     self.axis_name = axis_name
     self.num_ranks = int(mesh.shape[axis_name])
     self.platform = mesh_platform(mesh)
+    self.multi_process = any(d.process_index != jax.process_index() for d in mesh.devices.flat)
     if config.engine is not None:
       engine = config.engine
     elif self.platform == "cpu":
-      engine = "cpu"
+      engine = "xla" if self.multi_process else "cpu"
     else:
       engine = "local" if self.num_ranks == 1 else "xla"
     if self.platform not in _ENGINE_PLATFORMS[engine]:
@@ -66,6 +67,9 @@ class Runtime:
     if engine not in _BUILT_ENGINES:
       raise NotImplementedError(f"Runtime: engine {engine!r} is not built yet in this version "
                                 f"(built: {_BUILT_ENGINES})")
+    if engine == "cpu" and self.multi_process:
+      raise ValueError("Runtime: engine 'cpu' moves rows between the devices of one process; this "
+                       "mesh spans several processes (jax.distributed): use engine 'xla'")
     if engine == "local" and self.num_ranks != 1:
       raise ValueError(f"Runtime: engine 'local' needs a one-rank axis, {axis_name!r} has "
                        f"{self.num_ranks}")
