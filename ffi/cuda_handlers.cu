@@ -85,9 +85,25 @@ ffi::Error RouteImpl(cudaStream_t stream, S32Mat ids, ffi::Result<S32Mat> send_c
                      ffi::Result<S32Mat> send_pos, ffi::Result<S32Scalar> num_invalid) {
   const int64_t n = ids.element_count();
   const int E = int(send_counts->element_count());
-  jsm::cuda::route_kernel<<<1, 32, 2 * E * sizeof(int32_t), stream>>>(
-      ids.typed_data(), n, E, send_counts->typed_data(), send_pos->typed_data(),
-      num_invalid->typed_data());
+  // JSM_ROUTE=blocks: the parallel two-launch form (not yet run on a GPU: select it explicitly
+  // until tests/test_cuda.py has passed with it); default: the one-warp form, tested on an H200
+  static const bool blocks = [] {
+    const char* v = getenv("JSM_ROUTE");
+    return v && std::string(v) == "blocks";
+  }();
+  if (blocks) {
+    jsm::cuda::route_count_kernel<<<E + 1, 256, 0, stream>>>(
+        ids.typed_data(), n, E, send_counts->typed_data(), send_pos->typed_data(),
+        num_invalid->typed_data());
+    if (E > 0)
+      jsm::cuda::route_place_kernel<<<E, 1024, 0, stream>>>(ids.typed_data(), n, E,
+                                                            send_counts->typed_data(),
+                                                            send_pos->typed_data());
+  } else {
+    jsm::cuda::route_kernel<<<1, 32, 2 * E * sizeof(int32_t), stream>>>(
+        ids.typed_data(), n, E, send_counts->typed_data(), send_pos->typed_data(),
+        num_invalid->typed_data());
+  }
   return last_error("route");
 }
 

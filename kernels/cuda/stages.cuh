@@ -109,6 +109,70 @@ __global__ void route_kernel(const int32_t* ids, int64_t n, int32_t E, int32_t* 
   }
 }
 
+// route, parallel form (two launches, one block per expert): block e scans all ids in order, so
+// positions keep the (token, slot) order without a sort; E blocks x T*K ids are L2 reads.
+// Launch 1, grid E + 1: block e < E counts id == e; block E counts ids >= E and writes -1 to the
+// send_pos of every id outside [0, E).
+__global__ void route_count_kernel(const int32_t* ids, int64_t n, int32_t E, int32_t* send_counts,
+                                   int32_t* send_pos, int32_t* num_invalid) {
+  __shared__ int32_t warp_sums[32];
+  const int e = blockIdx.x;
+  int count = 0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const int32_t id = ids[i];
+    if (e < E) {
+      count += id == e;
+    } else {
+      count += id >= E;
+      if (id < 0 || id >= E) send_pos[i] = -1;
+    }
+  }
+  for (int o = 16; o; o >>= 1) count += __shfl_xor_sync(0xFFFFFFFFu, count, o);
+  if (threadIdx.x % kWarp == 0) warp_sums[threadIdx.x / kWarp] = count;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int total = 0;
+    for (int w = 0; w < int(blockDim.x / kWarp); ++w) total += warp_sums[w];
+    if (e < E) send_counts[e] = total; else *num_invalid = total;
+  }
+}
+
+// Launch 2, grid E, 1024 threads: block e places its ids after the segments of experts < e.
+__global__ void route_place_kernel(const int32_t* ids, int64_t n, int32_t E,
+                                   const int32_t* send_counts, int32_t* send_pos) {
+  __shared__ int32_t warp_sums[32];
+  __shared__ int32_t base;
+  const int e = blockIdx.x, warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int warps = blockDim.x / kWarp;
+  int before = 0;
+  for (int j = threadIdx.x; j < e; j += blockDim.x) before += send_counts[j];
+  for (int o = 16; o; o >>= 1) before += __shfl_xor_sync(0xFFFFFFFFu, before, o);
+  if (lane == 0) warp_sums[warp] = before;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int total = 0;
+    for (int w = 0; w < warps; ++w) total += warp_sums[w];
+    base = total;
+  }
+  __syncthreads();
+  for (int64_t chunk = 0; chunk < n; chunk += blockDim.x) {
+    const int64_t i = chunk + threadIdx.x;
+    const bool mine = i < n && ids[i] == e;
+    const uint32_t ballot = __ballot_sync(0xFFFFFFFFu, mine);
+    if (lane == 0) warp_sums[warp] = __popc(ballot);
+    __syncthreads();
+    int prefix = 0, chunk_total = 0;
+    for (int w = 0; w < warps; ++w) {  // warps is at most 32: a short smem loop
+      prefix += w < warp ? warp_sums[w] : 0;
+      chunk_total += warp_sums[w];
+    }
+    if (mine) send_pos[i] = base + prefix + __popc(ballot & ((1u << lane) - 1u));
+    __syncthreads();
+    if (threadIdx.x == 0) base += chunk_total;
+    __syncthreads();
+  }
+}
+
 // qpack / pack: one warp per token; lane j handles MX blocks j, j + 32, ...; each block is
 // quantised (qpack) or read (pack) once and stored to every send row of the token.
 template <bool kQuantize>
