@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # On a lent GPU machine, from the repository root: build with the machine's jax (no registry there),
-# run the CUDA tests, compute-sanitizer on a small case, and the quick GPU timing.
+# run the CUDA tests, compute-sanitizer on a small case, and the single-GPU benchmark
+# (bench/run.py --gpu: table in bench.log, gpu.json and gpu.png in $OUT).
 # Usage: bash bench/device_cuda.sh [tests|sanitize|bench|all] ...  (default: all)
+# bench takes JSM_BENCH_SHAPES (default "dsv3 v4pro"), JSM_BENCH_TOKENS (comma list) and
+# JSM_BENCH_ARGS (more bench/run.py flags, e.g. "--skip-native ragged").
 set -uo pipefail
 REPO=$PWD
 export JSM_REQUIRE_CUDA=1 PYTHONUNBUFFERED=1
@@ -18,7 +21,9 @@ for step in "${@:-all}"; do
     JSM_ROUTE=blocks python3 -m pytest -q -p no:cacheprovider "$REPO/tests/test_cuda.py" -k "route or equals or small_T4096" 2>&1 | tail -5
   fi
   if [[ $step == bench || $step == all ]]; then
-    python3 "$REPO/bench/gpu_quick.py" ${JSM_BENCH_SHAPES:-dsv3 v4pro} 2>&1 | tee "$OUT/bench.log" | tail -12
+    python3 "$REPO/bench/run.py" --gpu --shapes "$(tr ' ' , <<< "${JSM_BENCH_SHAPES:-dsv3 v4pro}")" \
+      ${JSM_BENCH_TOKENS:+--tokens "$JSM_BENCH_TOKENS"} ${JSM_BENCH_ARGS:-} --out "$OUT" 2>&1 \
+      | tee "$OUT/bench.log" | grep -v '^- ' | tail -16
   fi
   if [[ $step == sanitize || $step == all ]]; then
     XLA_PYTHON_CLIENT_PREALLOCATE=false compute-sanitizer --tool memcheck --error-exitcode 9 \

@@ -1,22 +1,32 @@
 """Stage1 benchmark (DESIGN.md §8): jax_sdma_moe engines against JAX-native paths, in one run.
 
-For each shape and tokens/rank it builds fresh random inputs, checks every path's output against
-`jax_sdma_moe.reference` (before any timing), then times:
-  * Stage1 through the public API (`jsm.stage1` in a jitted shard_map), one row per engine, and its
-    three stages separately (route+qpack, dispatch, gemm1), each its own jitted shard_map over the
-    `jax_sdma_moe.primitives` calls;
-  * JAX-native baselines: the jnp reference on one device, a capacity-based `all_to_all` + `einsum`
-    path, and a dropless `all_to_all` + `ragged_dot` path (XLA:CPU has no `ragged_all_to_all`, so
-    fixed-size chunks emulate it);
-  * the machine's ceilings (host memcpy bandwidth; float32 and bfloat16 matmul rates), and the
-    fraction of them each path reaches.
-It prints a table, and writes JSON and (when matplotlib is importable) a PNG to --out.
+Two modes, one set of paths, checks and timers:
+  * default: R ranks on virtual CPU devices (8). For each shape and tokens/rank it builds fresh
+    random inputs on the host, checks every path against the full `jax_sdma_moe.reference.stage1`,
+    then times them. A jnp-reference row is timed too.
+  * --gpu: one device, R = 1, engine `local` (the first GPU; `--platform cpu` runs the same code on
+    one CPU device, to try it where there is no GPU). Inputs and weights are made on the device
+    (w1 per shape: jax.random in bf16, quantised by the MX-fp8 kernel inside the same jit, so the
+    bf16 copy never outlives it). Checks stay cheap at dsv3 sizes: the layout arrays must equal
+    `reference.dispatch`, and h of a sample of experts (first, last, largest, a few random) must
+    match a float32 reference within DESIGN §3; padding rows must be 0. Ceilings are measured on
+    the device in the same run: copy bandwidth and XLA's dense bf16 matmul of the same FLOPs as
+    gemm1 (per shape and tokens value), plus one 8192³.
+Timed per path: Stage1 through the public API (`jsm.stage1` in a jitted shard_map) and its three
+stages separately (route+qpack, dispatch, gemm1; each its own jitted shard_map over the
+`jax_sdma_moe.primitives` calls); the JAX-native baselines: a capacity-based `all_to_all` +
+`einsum` path and a dropless `all_to_all` + `ragged_dot` path (XLA:CPU has no `ragged_all_to_all`,
+so fixed-size chunks emulate it; at R = 1 the all_to_all moves nothing). A native path that fails
+at run time (out of memory, ...) is reported as failed instead of ending the run.
+It prints a table, and writes JSON (also after every configuration, so an interrupted run keeps
+what it measured) and, when matplotlib is importable, a PNG to --out.
 
 Usage (from the repository root; `python -m bench.run` works too):
   python bench/run.py               # small shape, T = 128 and 1024, 8 CPU devices
   python bench/run.py --tokens 32 --iters 3 --warmup 1
-Only CPU is implemented; --gpu is reserved for the GPU rows (engines ce/sm/sdma/xla on real devices:
-configure_platform, measure_ceilings and the default engines are the places that will branch).
+  python bench/run.py --gpu         # one GPU: dsv3, v4pro at T = 128, 1024, 4096, 8192
+  python bench/run.py --gpu --platform cpu --shapes small --tokens 32,128 --iters 3 --warmup 1
+  python bench/run.py --gpu --skip-native ragged   # ragged_dot is slow / out of memory on GPU
 
 Timing: one call is the wall time of the whole SPMD program until `jax.block_until_ready`, i.e. the
 max over ranks in this single-process run; statistics are over --iters calls after --warmup more.
@@ -39,35 +49,49 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 AXIS = "ep"
-GPU_NOT_YET = "bench/run.py: --gpu is not implemented yet (CPU rows only)"
 STAGES = ("route+qpack", "dispatch", "gemm1")
+NATIVE_BASELINES = ("einsum", "ragged")  # --skip-native names
+# defaults that depend on the mode: (CPU, --gpu)
+DEFAULT_SHAPES = ("small", "dsv3,v4pro")
+DEFAULT_TOKENS = ("128,1024", "128,1024,4096,8192")
+DEFAULT_ENGINES = ("cpu,xla", "local")
 
 
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--shapes", default="small", help="comma list of jax_sdma_moe.SHAPES names")
-  p.add_argument("--tokens", default="128,1024", help="comma list of tokens per rank")
-  p.add_argument("--engines", default=None,
-                 help="comma list of Stage1Config engines (default: cpu,xla on CPU)")
-  p.add_argument("--devices", type=int, default=8, help="ranks (virtual CPU devices)")
+  p.add_argument("--shapes", default=None, help="comma list of jax_sdma_moe.SHAPES names "
+                 f"(default: {DEFAULT_SHAPES[0]}; --gpu: {DEFAULT_SHAPES[1]})")
+  p.add_argument("--tokens", default=None, help="comma list of tokens per rank "
+                 f"(default: {DEFAULT_TOKENS[0]}; --gpu: {DEFAULT_TOKENS[1]})")
+  p.add_argument("--engines", default=None, help="comma list of Stage1Config engines "
+                 f"(default: {DEFAULT_ENGINES[0]}; --gpu: {DEFAULT_ENGINES[1]})")
+  p.add_argument("--devices", type=int, default=8, help="ranks (virtual CPU devices; not --gpu)")
   p.add_argument("--iters", type=int, default=20, help="timed calls per measurement")
   p.add_argument("--warmup", type=int, default=3, help="untimed calls before timing")
   p.add_argument("--row-align", type=int, default=128, help="Stage1Config.row_align")
   p.add_argument("--capacity-factor", type=float, default=1.25,
                  help="all_to_all+einsum baseline: capacity / mean rows per (source, expert)")
+  p.add_argument("--skip-native", default="", help="comma list of JAX-native baselines not to "
+                 f"run: {', '.join(NATIVE_BASELINES)}")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="bench/results", help="folder for the JSON and PNG")
-  p.add_argument("--tag", default=None, help="output file name (default: the platform, 'cpu')")
-  p.add_argument("--gpu", action="store_true", help="run on the local GPUs (not implemented yet)")
+  p.add_argument("--tag", default=None,
+                 help="output file name (default: 'cpu'; --gpu: 'gpu', or 'gpu-cpu' with "
+                      "--platform cpu)")
+  p.add_argument("--gpu", action="store_true",
+                 help="one device, R = 1, engine local, device-side inputs and ceilings")
+  p.add_argument("--platform", default="gpu", choices=("gpu", "cpu"),
+                 help="--gpu only: the device to run on (cpu: the same R = 1 code on one CPU "
+                      "device, to try the mode without a GPU)")
   return p
 
 
 def configure_platform(args) -> None:
-  """What must happen before jax is imported. CPU: the number of virtual devices."""
-  if args.gpu:
-    raise SystemExit(GPU_NOT_YET)
-  force_host_devices(args.devices)
+  """What must happen before jax is imported. CPU mode: the number of virtual devices (--gpu needs
+  one device, which every backend has)."""
+  if not args.gpu:
+    force_host_devices(args.devices)
 
 
 def force_host_devices(n: int) -> None:
@@ -101,6 +125,11 @@ LAYOUT_FIELDS = ("expert_offsets", "expert_counts", "src_rank", "src_token", "to
                  "topk_weight", "num_rows", "num_invalid", "overflow")
 REL_TOL = 4e-3      # DESIGN.md §3: ||out - ref|| / ||ref|| per expert block
 MAX_ABS_TOL = 1e-2  # DESIGN.md §3: max |out - ref| <= MAX_ABS_TOL * max |ref|
+W1_SCALE = 0.05     # w1 ~ N(0, 1) * W1_SCALE; x ~ N(0, 1)
+RANDOM_EXPERTS = 4  # --gpu check: random non-empty experts checked besides first, last, largest
+# a path that fails at run time is reported as failed and the run goes on (a wrong result is a
+# CheckError and ends it)
+RUN_FAILURES = (jax.errors.JaxRuntimeError, MemoryError)
 NOTES = (
     "ms: median wall time of one call of the whole SPMD program (= max over ranks); JSON has "
     "min and p90.",
@@ -123,6 +152,25 @@ NOTES = (
     "collective; a correctness reference, not a tuned path).",
     "JAX-native paths run on bf16 copies of the dequantised MX-fp8 inputs (exact in bf16), so they "
     "are checked against the same reference at the DESIGN §3 tolerance.",
+)
+SINGLE_DEVICE_NOTES = (
+    "One device, R = 1. ms: median wall time of one jitted call until block_until_ready; JSON "
+    "has min and p90.",
+    "stage1 = jsm.stage1 (route + qpack + dispatch + gemm1); rt+qp = route + qpack in one jitted "
+    "call, disp = dispatch (engine local: a copy into the landing layout), gemm1 = MX-fp8 GEMM1 + "
+    "SwiGLU; each stage its own jitted call.",
+    "qpack GB/s = (T*H*2 bytes read + rows*(H + H/32 + 12) written) / rt+qp time; %copy = that / "
+    "the measured copy bandwidth (read + write).",
+    "TFLOP/s = 2 * rows * H * 2I / gemm1 time (rows = T*K, all useful); mm TF/s = XLA's dense bf16 "
+    "matmul [T*K, H] x [H, 2I] (f32 accumulation) measured the same way in this run; %mm = "
+    "gemm1 / mm.",
+    "einsum = JAX-native capacity path: rows sorted per expert into [E, C, H] bf16 buffers, C = "
+    "ceil(cf * T*K/E), einsum, SwiGLU; rows past C dropped ('drop'). ragged = JAX-native dropless "
+    "path: rows sorted by expert, lax.ragged_dot with the group sizes. Both run on bf16 copies of "
+    "the dequantised MX-fp8 inputs (exact) and are checked like the engine.",
+    "vs nat = fastest JAX-native stage1 ms / this path's stage1 ms (>1: faster than JAX-native).",
+    "checks before timing: layout arrays equal to reference.dispatch; h of the sampled experts "
+    "within DESIGN §3 of a float32 reference; padding rows 0.",
 )
 
 
@@ -163,6 +211,40 @@ def measure_ceilings(reps: int = 10, n: int = 1024) -> dict:
                  "accumulation"}
 
 
+def measure_device_ceilings(device, copy_bytes: int, n: int, reps: int = 10) -> dict:
+  """On `device` (the default device while this runs): copy bandwidth (read + write bytes of a
+  jitted elementwise pass over copy_bytes) and XLA's dense bf16 matmul rate at n³ (f32
+  accumulation), best of reps."""
+  copy_gbps = device_copy_gbps(copy_bytes, reps)
+  mm = dense_bf16_matmul(n, n, n, reps, 1, jax.random.key(0), stat="min_ms")
+  return {"copy_gbps": copy_gbps,
+          "matmul_gflops": {"bf16": mm["gflops"]},
+          "how": f"best of {reps} on {device.device_kind}: jitted a + 1 over "
+                 f"{copy_bytes >> 20} MiB (uint32) counting read + write; {n}^3 jnp.dot in bf16 "
+                 "with f32 accumulation",
+          "dense_bf16": []}  # filled per (shape, tokens) by bench_single_config
+
+
+def device_copy_gbps(nbytes: int, reps: int) -> float:
+  """Read + write bytes per second of a jitted elementwise pass over nbytes on the default device
+  (`a + 1`, not `a + 0` or a copy XLA could elide: every byte is read and written)."""
+  src = jnp.zeros(nbytes // 4, jnp.uint32)
+  bump = jax.jit(lambda a: a + 1)
+  return 2 * nbytes / _best_seconds(lambda: bump(src).block_until_ready(), reps) / 1e9
+
+
+def dense_bf16_matmul(m: int, k: int, n: int, iters: int, warmup: int, key,
+                      stat: str = "median_ms") -> dict:
+  """XLA's (cuBLAS on GPU) dense bf16 [m, k] x [k, n] with f32 accumulation on the default device,
+  timed like the paths; gflops from the `stat` time."""
+  ka, kb = jax.random.split(key)
+  a = jax.random.normal(ka, (m, k), jnp.bfloat16)
+  b = jax.random.normal(kb, (k, n), jnp.bfloat16)
+  dot = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+  t = time_calls(dot, (a, b), iters, warmup)
+  return {"m": m, "k": k, "n": n, **t, "gflops": 2 * m * k * n / (t[stat] * 1e-3) / 1e9}
+
+
 # ------------------------------------------------------------------------------------------------
 # Inputs. Every array carries a leading rank axis [R, ...] sharded over AXIS, so each shard sees
 # [1, ...] and all stages (whose outputs are stacked the same way) compose uniformly.
@@ -180,8 +262,58 @@ def make_inputs(shape: jsm.MoEShape, R: int, T: int, rng: np.random.Generator) -
   x = rng.standard_normal((R, T, H), np.float32).astype(jnp.bfloat16)
   ids = np.argsort(rng.random((R, T, E)), axis=-1)[..., :K].astype(np.int32)
   weights = rng.random((R, T, K), np.float32)
-  w1 = (rng.standard_normal((E, 2 * I, H), np.float32) * 0.05).astype(jnp.bfloat16)
+  w1 = (rng.standard_normal((E, 2 * I, H), np.float32) * W1_SCALE).astype(jnp.bfloat16)
   return HostInputs(x, ids, weights, w1)
+
+
+def native_w1(w1q: jsm.QuantizedW1) -> jax.Array:
+  """MX-fp8 [..., 2I, H] -> the JAX-native paths' bf16 weights [..., H, 2I] (exact: an e4m3 value
+  times a power of two fits bf16). A few experts at a time, so the float32 dequantised temporaries
+  stay small next to dsv3's 15 GB of bf16 weights."""
+  *lead, two_i, H = w1q.values.shape
+  flat = jax.tree.map(lambda a: a.reshape(-1, *a.shape[-2:]), w1q)
+  w = lax.map(lambda q: jnp.swapaxes(reference.dequantize(*q), -1, -2).astype(jnp.bfloat16),
+              flat, batch_size=8)
+  return w.reshape(*lead, H, two_i)
+
+
+def device_weights(mesh, shape: jsm.MoEShape, key) -> tuple:
+  """One rank's weights made on its device: w1q [1, E, 2I, H] (w1 drawn in bf16 and quantised
+  inside one jit, so the bf16 copy is freed when it returns) and the JAX-native bf16 weights
+  [1, E, H, 2I] made from w1q."""
+  E, H, I = shape.num_experts, shape.hidden, shape.intermediate
+  on_mesh = NamedSharding(mesh, P(AXIS))
+
+  @functools.partial(jax.jit, out_shardings=on_mesh)
+  def make_w1q(key):
+    w1 = jax.random.normal(key, (E, 2 * I, H), jnp.bfloat16) * W1_SCALE
+    return jax.tree.map(lambda a: a[None], jsm.quantize_w1(w1))
+
+  w1q = jax.block_until_ready(make_w1q(key))
+  return w1q, jax.block_until_ready(jax.jit(native_w1, out_shardings=on_mesh)(w1q))
+
+
+def device_inputs(mesh, shape: jsm.MoEShape, T: int, key) -> tuple:
+  """One rank's tokens made on its device: (x [1, T, H] bf16, ids [1, T, K] (K distinct experts
+  per token), weights [1, T, K] f32) for the engines, and (bf16 copy of the dequantised MX-fp8 x,
+  ids) for the JAX-native paths."""
+  H, E, K = shape.hidden, shape.num_experts, shape.topk
+
+  @functools.partial(jax.jit, out_shardings=NamedSharding(mesh, P(AXIS)))
+  def make(key):
+    kx, ki, kw = jax.random.split(key, 3)
+    x = jax.random.normal(kx, (1, T, H), jnp.bfloat16)
+    ids = lax.top_k(jax.random.uniform(ki, (1, T, E)), K)[1].astype(jnp.int32)
+    weights = jax.random.uniform(kw, (1, T, K), jnp.float32)
+    # XLA may skip a rounding as "excess precision": XLA:CPU recomputed x in f32 inside the fusion
+    # that quantises it, so the native paths got other values than the engines. The barriers pin
+    # x to its bf16 values and xq to its fp8 bytes: x_native is exactly dequantize(quantize(x)).
+    x = lax.optimization_barrier(x)
+    xq = lax.optimization_barrier(reference.quantize(x))
+    x_native = reference.dequantize(*xq).astype(jnp.bfloat16)
+    return (x, ids, weights), (x_native, ids)
+
+  return jax.block_until_ready(make(key))
 
 
 def per_rank_jit(mesh, fn: Callable) -> Callable:
@@ -206,16 +338,20 @@ class BenchPath:
   w: Any                       # weights (sharded)
   row_bytes: Optional[int]     # bytes of one landed row on the wire, None: no wire
   compute_dtype: str           # the matmul ceiling that applies: "f32" or "bf16"
-  check: Callable[..., int]    # check(out, ref, h32): raises CheckError; returns rows dropped
+  check: Callable[..., int]    # check(out, ref: Reference): raises CheckError; returns rows dropped
   capacity: Optional[int] = None  # rows per (source, expert) of a capacity-based path
+  baseline: Optional[str] = None  # a JAX-native path: its NATIVE_BASELINES name
 
 
 class CheckError(AssertionError):
   pass
 
 
-def engine_path(mesh, rt: jsm.Runtime, shape: jsm.MoEShape, cap: int, inputs, w1q) -> BenchPath:
-  """jsm.stage1 with one engine, and its stages from jax_sdma_moe.primitives."""
+def engine_path(mesh, rt: jsm.Runtime, shape: jsm.MoEShape, cap: int, inputs, w1q,
+                compute_dtype: str = "f32") -> BenchPath:
+  """jsm.stage1 with one engine, and its stages from jax_sdma_moe.primitives. compute_dtype: the
+  matmul ceiling gemm1 is held against (the CPU kernel computes in f32; --gpu holds the MX-fp8
+  kernel against XLA's dense bf16 matmul)."""
   R, EL, cfg = rt.num_ranks, shape.num_experts // rt.num_ranks, rt.config
 
   def stage1(inp, w):
@@ -239,7 +375,7 @@ def engine_path(mesh, rt: jsm.Runtime, shape: jsm.MoEShape, cap: int, inputs, w1
   H = shape.hidden
   return BenchPath(f"engine:{rt.engine}", "engine", per_rank_jit(mesh, stage1),
                    [per_rank_jit(mesh, f) for f in (route_qpack, dispatch, gemm1)], inputs, w1q,
-                   H + H // layout.BLOCK + 12, "f32", check_engine)
+                   H + H // layout.BLOCK + 12, compute_dtype, check_engine)
 
 
 class NativeOut(NamedTuple):
@@ -330,8 +466,8 @@ def ragged_gemm(carry, w, swiglu_limit) -> NativeOut:
   return native_out(gu, headers[order], src[order], dropped, swiglu_limit)
 
 
-def native_path(mesh, name: str, shape: jsm.MoEShape, tokens: int, capacity: Optional[int],
-                gemm: Callable, inputs, w) -> BenchPath:
+def native_path(mesh, name: str, baseline: str, shape: jsm.MoEShape, tokens: int,
+                capacity: Optional[int], gemm: Callable, inputs, w) -> BenchPath:
   R, EL = mesh.shape[AXIS], shape.num_experts // mesh.shape[AXIS]
   stages = (lambda inp, w: native_pack(*inp, R, EL, capacity),
             lambda carry, w: native_exchange(carry),
@@ -346,11 +482,93 @@ def native_path(mesh, name: str, shape: jsm.MoEShape, tokens: int, capacity: Opt
   return BenchPath(name, "native", per_rank_jit(mesh, full),
                    [per_rank_jit(mesh, f) for f in stages], inputs, w, 2 * shape.hidden + 12,
                    "bf16",
-                   functools.partial(check_native, tokens=tokens, topk=shape.topk), capacity)
+                   functools.partial(check_native, tokens=tokens, topk=shape.topk), capacity,
+                   baseline)
+
+
+def native_paths(args, mesh, shape: jsm.MoEShape, T: int, inputs, w) -> list:
+  """The JAX-native baselines not in --skip-native: inputs (bf16 x, ids) and w [R, EL, H, 2I]
+  bf16, both sharded."""
+  skip = skipped_natives(args)
+  paths = []
+  if "einsum" not in skip:
+    capacity = max(1, math.ceil(args.capacity_factor * T * shape.topk / shape.num_experts))
+    paths.append(native_path(mesh, f"native:a2a+einsum(cf={args.capacity_factor:g})", "einsum",
+                             shape, T, capacity, capacity_gemm, inputs, w))
+  if "ragged" not in skip:
+    paths.append(native_path(mesh, "native:a2a+ragged_dot", "ragged", shape, T, None, ragged_gemm,
+                             inputs, w))
+  return paths
+
+
+def skipped_natives(args) -> set:
+  skip = {s for s in args.skip_native.split(",") if s}
+  unknown = skip - set(NATIVE_BASELINES)
+  if unknown:
+    raise SystemExit(f"--skip-native: unknown {sorted(unknown)}; known: {NATIVE_BASELINES}")
+  return skip
 
 
 # ------------------------------------------------------------------------------------------------
 # Checks (run once before timing; numpy on the host)
+
+
+class Reference(NamedTuple):
+  """What every path's output is checked against."""
+  layout: jsm.Stage1Output  # host arrays with a leading [R] axis; only the LAYOUT_FIELDS are used
+  h32: dict                 # (rank, local expert) -> float32 reference h [rows of the block, I]
+
+
+def full_reference(ref: jsm.Stage1Output, h32: np.ndarray) -> Reference:
+  """Every non-empty (rank, expert) block of the full reference.stage1 (host arrays)."""
+  offsets, counts = ref.expert_offsets, ref.expert_counts
+  blocks = {(r, e): h32[r, offsets[r, e]:offsets[r, e] + counts[r, e]]
+            for r in range(counts.shape[0]) for e in range(counts.shape[1]) if counts[r, e]}
+  return Reference(ref, blocks)
+
+
+@functools.partial(jax.jit, static_argnames=("E", "row_align", "cap"))
+def _reference_layout(x, ids, weights, *, E: int, row_align: int, cap: int):
+  return reference.dispatch(reference.quantize(x), ids, weights, E, row_align, cap)
+
+
+@functools.partial(jax.jit, static_argnames=("n", "swiglu_limit"))
+def _expert_h32(values, scales, starts, experts, w1q, *, n: int, swiglu_limit):
+  """float32 h [P, n, I] of the n landed rows from starts[p] (rank 0) through expert experts[p]:
+  SwiGLU(dequantize(rows) @ dequantize(w1[e]).T) at HIGHEST precision. Rows past a block's end are
+  read too (clamped at M_cap) and cut by the caller."""
+  idx = jnp.minimum(starts[:, None] + jnp.arange(n), values.shape[1] - 1)
+  a = reference.dequantize(values[0][idx], scales[0][idx])                   # [P, n, H]
+  w = reference.dequantize(w1q.values[0][experts], w1q.scales[0][experts])  # [P, 2I, H]
+  gu = jnp.einsum("pnh,pjh->pnj", a, w, precision=lax.Precision.HIGHEST,
+                  preferred_element_type=jnp.float32)
+  I = w.shape[1] // 2
+  return reference.swiglu(gu[..., :I], gu[..., I:], swiglu_limit)
+
+
+def sampled_reference(shape: jsm.MoEShape, row_align: int, cap: int, inputs, w1q,
+                      rng: np.random.Generator) -> tuple:
+  """R = 1, cheap at any size: the full layout from reference.dispatch (on the device), and the
+  float32 h of a sample of experts only (reference.stage1's GEMM is dense over all experts: far too
+  slow at dsv3). The sample: the first, last and largest non-empty experts and RANDOM_EXPERTS random
+  non-empty ones. Returns the Reference and the experts checked."""
+  x, ids, weights = inputs
+  E = shape.num_experts
+  landed = _reference_layout(x, ids, weights, E=E, row_align=row_align, cap=cap)
+  lay = jsm.Stage1Output(
+      None, *to_host((landed.expert_offsets, landed.expert_counts, landed.src_rank,
+                      landed.src_token, landed.topk_slot, landed.topk_weight, landed.num_rows)),
+      np.sum(np.asarray(ids) >= E, axis=(1, 2)).astype(np.int32), np.asarray(landed.overflow))
+  offsets, counts = lay.expert_offsets[0], lay.expert_counts[0]
+  nonempty = np.flatnonzero(counts)
+  pick = {nonempty[0], nonempty[-1], int(np.argmax(counts))}
+  pick |= set(rng.choice(nonempty, min(RANDOM_EXPERTS, len(nonempty)), replace=False).tolist())
+  experts = np.array(sorted(int(e) for e in pick), np.int32)
+  n = int(counts[experts].max())
+  h32 = np.asarray(_expert_h32(landed.values, landed.scales, jnp.asarray(offsets[experts]),
+                               jnp.asarray(experts), w1q, n=n, swiglu_limit=shape.swiglu_limit))
+  blocks = {(0, int(e)): h32[p, :counts[e]] for p, e in enumerate(experts)}
+  return Reference(lay, blocks), experts.tolist()
 
 
 def assert_close(what: str, out: np.ndarray, ref: np.ndarray) -> None:
@@ -368,32 +586,39 @@ def assert_close(what: str, out: np.ndarray, ref: np.ndarray) -> None:
                      f"(limit {MAX_ABS_TOL} * max |ref| = {MAX_ABS_TOL * np.max(np.abs(ref)):.3e})")
 
 
-def check_engine(out: jsm.Stage1Output, ref: jsm.Stage1Output, h32: np.ndarray) -> int:
-  """Layout exactly equal to the reference; h within tolerance per (rank, expert); padding 0."""
+def check_padding_zero(what: str, h: np.ndarray, padding: np.ndarray) -> None:
+  if np.any(h[padding].astype(np.float32) != 0):
+    raise CheckError(f"{what}: padding rows are not 0")
+
+
+def check_engine(out: jsm.Stage1Output, ref: Reference) -> int:
+  """Layout exactly equal to the reference; h within tolerance per checked (rank, expert) block;
+  padding rows 0."""
+  lay = ref.layout
   for field in LAYOUT_FIELDS:
-    got, want = np.asarray(getattr(out, field)), np.asarray(getattr(ref, field))
+    got, want = np.asarray(getattr(out, field)), np.asarray(getattr(lay, field))
     if got.shape != want.shape or not np.array_equal(got, want):
       bad = np.argwhere(got != want) if got.shape == want.shape else "shape"
       raise CheckError(f"{field} differs from the reference: shapes {got.shape} vs {want.shape}, "
                        f"first differing index {bad[0] if len(bad) else bad}")
-  h = np.asarray(out.h).astype(np.float32)
-  offsets, counts, src_rank = ref.expert_offsets, ref.expert_counts, ref.src_rank
+  h = np.asarray(out.h)
+  for (r, e), want in ref.h32.items():
+    start = lay.expert_offsets[r, e]
+    assert_close(f"h of rank {r} expert {e}", h[r, start:start + len(want)].astype(np.float32),
+                 want)
   for r in range(h.shape[0]):
-    for e in range(offsets.shape[1]):
-      rows = slice(offsets[r, e], offsets[r, e] + counts[r, e])
-      assert_close(f"h of rank {r} expert {e}", h[r, rows], h32[r, rows])
-    if np.any(h[r][src_rank[r] < 0] != 0):
-      raise CheckError(f"h of rank {r}: padding rows are not 0")
-  return int(np.sum(ref.overflow))
+    check_padding_zero(f"h of rank {r}", h[r], lay.src_rank[r] < 0)
+  return int(np.sum(lay.overflow))
 
 
-def check_native(out: NativeOut, ref: jsm.Stage1Output, h32: np.ndarray, *, tokens: int,
-                 topk: int) -> int:
-  """Every row a native path produced matches the reference row of the same (source, token, slot),
-  and all reference rows are there except those the path reports dropped."""
-  R, T, K = ref.num_rows.shape[0], tokens, topk
+def check_native(out: NativeOut, ref: Reference, *, tokens: int, topk: int) -> int:
+  """Every row a native path produced is a row the reference routes to that rank (no duplicates),
+  the rows of each checked reference block match it, and all reference rows are there except
+  those the path reports dropped."""
+  lay = ref.layout
+  R, T, K = lay.num_rows.shape[0], tokens, topk
   dropped = int(np.sum(out.dropped))
-  h = np.asarray(out.h).astype(np.float32)
+  h = np.asarray(out.h)
 
   def key(src, tok, slot):  # one integer per (source rank, token, slot)
     return (src.astype(np.int64) * T + tok) * K + slot
@@ -401,20 +626,25 @@ def check_native(out: NativeOut, ref: jsm.Stage1Output, h32: np.ndarray, *, toke
   got_rows = 0
   for d in range(R):
     ref_row_of = np.full(R * T * K, -1, np.int64)
-    present = np.nonzero(ref.src_rank[d] >= 0)[0]
-    ref_row_of[key(ref.src_rank[d][present], ref.src_token[d][present],
-                   ref.topk_slot[d][present])] = present
+    present = np.nonzero(lay.src_rank[d] >= 0)[0]
+    ref_row_of[key(lay.src_rank[d][present], lay.src_token[d][present],
+                   lay.topk_slot[d][present])] = present
     mine = np.nonzero(out.src_rank[d] >= 0)[0]
     ref_rows = ref_row_of[key(out.src_rank[d][mine], out.src_token[d][mine],
                               out.topk_slot[d][mine])]
     if np.any(ref_rows < 0) or len(np.unique(ref_rows)) != len(ref_rows):
       raise CheckError(f"rank {d} holds rows the reference does not route to it, or duplicates")
-    if np.any(h[d][out.src_rank[d] < 0] != 0):
-      raise CheckError(f"h of rank {d}: padding rows are not 0")
-    assert_close(f"h of rank {d}", h[d][mine], h32[d][ref_rows])
+    check_padding_zero(f"h of rank {d}", h[d], out.src_rank[d] < 0)
+    for (r, e), want in ref.h32.items():
+      if r != d:
+        continue
+      start = lay.expert_offsets[d, e]
+      sel = (ref_rows >= start) & (ref_rows < start + len(want))  # the rows of block e it kept
+      assert_close(f"h of rank {d} expert {e}", h[d][mine[sel]].astype(np.float32),
+                   want[ref_rows[sel] - start])
     got_rows += len(mine)
-  if got_rows + dropped != int(np.sum(ref.num_rows)):
-    raise CheckError(f"{got_rows} rows + {dropped} dropped != {int(np.sum(ref.num_rows))} routed")
+  if got_rows + dropped != int(np.sum(lay.num_rows)):
+    raise CheckError(f"{got_rows} rows + {dropped} dropped != {int(np.sum(lay.num_rows))} routed")
   return dropped
 
 
@@ -455,13 +685,13 @@ class Checked(NamedTuple):
   stage_inputs: Sequence[Any]  # each stage's input, from running the chain once
 
 
-def check_path(path: BenchPath, ref, h32) -> Checked:
+def check_path(path: BenchPath, ref: Reference) -> Checked:
   """Runs the full path once and checks it; runs the stage chain once and checks it does the same
   work (same h bytes), keeping each stage's input so that stage can be timed alone."""
   out, first_s = first_call(path.full, path.inputs, path.w)
   out = to_host(out)
   try:
-    dropped = path.check(out, ref, h32)
+    dropped = path.check(out, ref)
   except CheckError as e:
     raise CheckError(f"{path.name}: output does not match jax_sdma_moe.reference: {e}") from None
   carry, stage_inputs = path.inputs, []
@@ -477,7 +707,8 @@ def check_path(path: BenchPath, ref, h32) -> Checked:
 
 def time_path(c: Checked, iters: int, warmup: int) -> dict:
   path = c.path
-  row = {"path": path.name, "kind": path.kind, "dropped": c.dropped, "capacity": path.capacity,
+  row = {"path": path.name, "kind": path.kind, "baseline": path.baseline, "dropped": c.dropped,
+         "capacity": path.capacity,
          "stage1": {**time_calls(path.full, (path.inputs, path.w), iters, warmup),
                     "first_call_s": c.first_call_s}, "stages": {}}
   for name, stage, inp in zip(STAGES, path.stages, c.stage_inputs):
@@ -485,23 +716,82 @@ def time_path(c: Checked, iters: int, warmup: int) -> dict:
   return row
 
 
-def add_rates(row: dict, useful_rows: int, row_bytes: Optional[int], compute_dtype: str,
-              shape: jsm.MoEShape, ceilings: dict) -> None:
-  """Useful GB/s and GFLOP/s of a measured row, and the fraction of the ceilings it reaches."""
+def failed_row(path: BenchPath, error: Exception) -> dict:
+  """The row of a path that failed at run time: why, in a line."""
+  lines = str(error).strip().splitlines() or [type(error).__name__]
+  return {"path": path.name, "kind": path.kind, "baseline": path.baseline,
+          "capacity": path.capacity, "failed": lines[0][:100], "error": str(error)[:2000]}
+
+
+def add_rates(row: dict, useful_rows: int, tokens_total: int, row_bytes: Optional[int],
+              compute_dtype: str, shape: jsm.MoEShape, ceilings: dict) -> None:
+  """Useful GB/s and GFLOP/s of a measured row, and the fraction of the ceilings it reaches.
+  route+qpack bytes: the bf16 tokens read (tokens_total = R*T of them) and the rows written."""
   flops = 2 * useful_rows * shape.hidden * 2 * shape.intermediate
   wire = useful_rows * row_bytes if row_bytes else 0
-  copy_bound_s = 2 * wire / (ceilings["copy_gbps"] * 1e9)
+  copy_gbps = ceilings["copy_gbps"]
+  copy_bound_s = 2 * wire / (copy_gbps * 1e9)
   mm_bound_s = flops / (ceilings["matmul_gflops"][compute_dtype] * 1e9)
   row["compute_dtype"] = compute_dtype
   row["useful_rows"], row["wire_bytes"], row["gemm1_flops"] = useful_rows, wire, flops
   frac = {"stage1": max(copy_bound_s, mm_bound_s) / (row["stage1"]["median_ms"] * 1e-3)}
   if row["stages"]:
-    d, g = row["stages"]["dispatch"], row["stages"]["gemm1"]
+    q, d, g = (row["stages"][s] for s in STAGES)
+    q["bytes"] = tokens_total * shape.hidden * 2 + wire
+    q["gbps"] = q["bytes"] / (q["median_ms"] * 1e-3) / 1e9
     d["gbps"] = wire / (d["median_ms"] * 1e-3) / 1e9
     g["gflops"] = flops / (g["median_ms"] * 1e-3) / 1e9
+    frac["route+qpack"] = q["gbps"] / copy_gbps  # both count bytes read + written
     frac["dispatch"] = copy_bound_s / (d["median_ms"] * 1e-3)
     frac["gemm1"] = mm_bound_s / (g["median_ms"] * 1e-3)
   row["ceiling_fraction"] = frac
+
+
+def check_and_time(args, paths: Sequence[BenchPath], ref: Reference, shape: jsm.MoEShape,
+                   T: int, ceilings: dict, tag: str) -> list:
+  """Checks every path (all before any timing), then times those that passed; one row per path.
+  A path that fails at run time gets a failed row; a wrong result raises CheckError."""
+  R = ref.layout.num_rows.shape[0]
+  rows_total = int(np.sum(ref.layout.num_rows))
+  rows, checked = [], []
+  for path in paths:
+    progress(f"{tag} {path.name}: checking")
+    try:
+      checked.append(check_path(path, ref))
+    except CheckError as e:
+      raise CheckError(f"{tag} {e}") from None
+    except RUN_FAILURES as e:
+      rows.append(failed_row(path, e))
+      progress(f"{tag} {path.name}: FAILED: {rows[-1]['failed']}")
+  engines_checked = [c for c in checked if c.path.kind == "engine"]
+  for c in engines_checked[1:]:
+    if c.h.tobytes() != engines_checked[0].h.tobytes():
+      raise CheckError(f"{tag} {c.path.name} and {engines_checked[0].path.name} give different "
+                       "h bytes (DESIGN §3: engines sharing a GEMM kernel are byte-identical)")
+  for c in checked:
+    progress(f"{tag} {c.path.name}: timing")
+    try:
+      row = time_path(c, args.iters, args.warmup)
+    except RUN_FAILURES as e:
+      rows.append(failed_row(c.path, e))
+      progress(f"{tag} {c.path.name}: FAILED: {rows[-1]['failed']}")
+      continue
+    add_rates(row, rows_total - c.dropped, R * T, c.path.row_bytes, c.path.compute_dtype, shape,
+              ceilings)
+    rows.append(row)
+  return rows
+
+
+def finish_rows(rows: list, shape: jsm.MoEShape, T: int, R: int, cap: int, rows_total: int,
+                **extra) -> list:
+  """Tags a configuration's rows and sets each one's speed against the fastest JAX-native path."""
+  natives = [r["stage1"]["median_ms"] for r in rows if r["kind"] == "native" and "failed" not in r]
+  best_native = min(natives, default=None)
+  for r in rows:
+    r.update(shape=shape.name, tokens=T, ranks=R, m_cap=cap, rows_total=rows_total, **extra)
+    r["vs_best_native"] = (best_native / r["stage1"]["median_ms"]
+                           if best_native is not None and "failed" not in r else None)
+  return rows
 
 
 # ------------------------------------------------------------------------------------------------
@@ -512,38 +802,38 @@ def progress(msg: str) -> None:
   print(msg, file=sys.stderr, flush=True)
 
 
-def build_paths(args, mesh, shape: jsm.MoEShape, T: int, cap: int, host: HostInputs, w1q,
-                engines: Sequence[str], runtimes: list) -> list:
-  """The engine paths (their Runtimes go to `runtimes`, for the caller to close) and the JAX-native
-  all_to_all paths, with their inputs placed on the mesh."""
-  R = mesh.shape[AXIS]
-  H, I, E, K = shape.hidden, shape.intermediate, shape.num_experts, shape.topk
-  EL = E // R
-  put = functools.partial(jax.device_put, device=NamedSharding(mesh, P(AXIS)))
+def make_engine_paths(args, mesh, shape: jsm.MoEShape, cap: int, inputs, w1q,
+                      engines: Sequence[str], runtimes: list, compute_dtype: str) -> list:
+  """One path per engine (their Runtimes go to `runtimes`, for the caller to close)."""
   paths = []
-  engine_inputs = tuple(put(a) for a in (host.x, host.ids, host.weights))
-  per_rank_w1q = jax.tree.map(lambda a: put(a.reshape(R, EL, *a.shape[1:])), w1q)
   for engine in engines:
     rt = jsm.Runtime(mesh, AXIS, jsm.Stage1Config(engine=engine, row_align=args.row_align,
                                                   swiglu_limit=shape.swiglu_limit))
     runtimes.append(rt)
-    paths.append(engine_path(mesh, rt, shape, cap, engine_inputs, per_rank_w1q))
-  # JAX-native paths: bf16 copies of the dequantised MX-fp8 data (exact), weights as [E, H, 2I]
-  x_deq = reference.dequantize(*reference.quantize(jnp.asarray(host.x))).astype(jnp.bfloat16)
-  w1_deq = jnp.swapaxes(reference.dequantize(*w1q), 1, 2).astype(jnp.bfloat16)
-  native_inputs = (put(x_deq), put(host.ids))
-  native_w = put(w1_deq.reshape(R, EL, H, 2 * I))
-  capacity = max(1, math.ceil(args.capacity_factor * T * K / E))
-  paths.append(native_path(mesh, f"native:a2a+einsum(cf={args.capacity_factor:g})", shape, T,
-                           capacity, capacity_gemm, native_inputs, native_w))
-  paths.append(native_path(mesh, "native:a2a+ragged_dot", shape, T, None, ragged_gemm,
-                           native_inputs, native_w))
+    paths.append(engine_path(mesh, rt, shape, cap, inputs, w1q, compute_dtype))
   return paths
+
+
+def build_paths(args, mesh, shape: jsm.MoEShape, T: int, cap: int, host: HostInputs, w1q,
+                engines: Sequence[str], runtimes: list) -> list:
+  """The engine paths and the JAX-native all_to_all paths, with their inputs placed on the mesh."""
+  R = mesh.shape[AXIS]
+  EL = shape.num_experts // R
+  put = functools.partial(jax.device_put, device=NamedSharding(mesh, P(AXIS)))
+  per_rank_w1q = jax.tree.map(lambda a: a.reshape(R, EL, *a.shape[1:]), w1q)
+  paths = make_engine_paths(args, mesh, shape, cap,
+                            tuple(put(a) for a in (host.x, host.ids, host.weights)),
+                            jax.tree.map(put, per_rank_w1q), engines, runtimes, "f32")
+  # JAX-native paths: bf16 copies of the dequantised MX-fp8 data (exact), weights as [R, EL, H, 2I]
+  x_deq = reference.dequantize(*reference.quantize(jnp.asarray(host.x))).astype(jnp.bfloat16)
+  return paths + native_paths(args, mesh, shape, T, (put(x_deq), put(host.ids)),
+                              put(native_w1(per_rank_w1q)))
 
 
 def bench_config(args, mesh, shape: jsm.MoEShape, T: int, engines: Sequence[str],
                  ceilings: dict, rng: np.random.Generator) -> list:
-  """Checks every path on fresh inputs, then times them; returns one result row per path."""
+  """R ranks on host devices: checks every path on fresh inputs against the full reference, then
+  times them and the reference itself; returns one result row per path."""
   R = mesh.shape[AXIS]
   E, K = shape.num_experts, shape.topk
   if E % R:
@@ -558,30 +848,14 @@ def bench_config(args, mesh, shape: jsm.MoEShape, T: int, engines: Sequence[str]
                              swiglu_limit=shape.swiglu_limit)
   ref_args = jax.device_put((host.x, host.ids, host.weights, w1q), jax.devices()[0])
   (ref, h32), _ = first_call(jax.jit(functools.partial(ref_fn, return_f32=True)), *ref_args)
-  ref, h32 = to_host(ref), np.asarray(h32)
-  rows_total = int(ref.num_rows.sum())
+  ref = full_reference(to_host(ref), np.asarray(h32))
+  rows_total = int(ref.layout.num_rows.sum())
   progress(f"{tag} reference: {rows_total} rows over {R} ranks, M_cap {cap}")
 
-  rows, runtimes = [], []
+  runtimes = []
   try:
-    checked = []
-    for path in build_paths(args, mesh, shape, T, cap, host, w1q, engines, runtimes):
-      progress(f"{tag} {path.name}: checking")
-      try:
-        checked.append(check_path(path, ref, h32))
-      except CheckError as e:
-        raise CheckError(f"{tag} {e}") from None
-    engines_checked = [c for c in checked if c.path.kind == "engine"]
-    for c in engines_checked[1:]:
-      if c.h.tobytes() != engines_checked[0].h.tobytes():
-        raise CheckError(f"{tag} {c.path.name} and {engines_checked[0].path.name} give different "
-                         "h bytes (DESIGN §3: engines sharing a GEMM kernel are byte-identical)")
-    for c in checked:
-      progress(f"{tag} {c.path.name}: timing")
-      row = time_path(c, args.iters, args.warmup)
-      add_rates(row, rows_total - c.dropped, c.path.row_bytes, c.path.compute_dtype, shape,
-                ceilings)
-      rows.append(row)
+    rows = check_and_time(args, build_paths(args, mesh, shape, T, cap, host, w1q, engines,
+                                            runtimes), ref, shape, T, ceilings, tag)
   finally:
     for rt in runtimes:
       rt.close()
@@ -589,23 +863,71 @@ def bench_config(args, mesh, shape: jsm.MoEShape, T: int, engines: Sequence[str]
   progress(f"{tag} native:jnp-reference: timing")
   ref_jit = jax.jit(ref_fn)
   _, first_s = first_call(ref_jit, *ref_args)
-  ref_row = {"path": "native:jnp-reference(1 dev)", "kind": "native", "dropped": 0,
-             "capacity": None, "stages": {},
+  ref_row = {"path": "native:jnp-reference(1 dev)", "kind": "native", "baseline": None,
+             "dropped": 0, "capacity": None, "stages": {},
              "stage1": {**time_calls(ref_jit, ref_args, args.iters, args.warmup),
                         "first_call_s": first_s}}
-  add_rates(ref_row, rows_total, None, "f32", shape, ceilings)
+  add_rates(ref_row, rows_total, R * T, None, "f32", shape, ceilings)
   rows.append(ref_row)
-
-  best_native = min(r["stage1"]["median_ms"] for r in rows if r["kind"] == "native")
-  for r in rows:
-    r.update(shape=shape.name, tokens=T, ranks=R, m_cap=cap, rows_total=rows_total,
-             vs_best_native=best_native / r["stage1"]["median_ms"])
   jax.clear_caches()
-  return rows
+  return finish_rows(rows, shape, T, R, cap, rows_total)
+
+
+def bench_single_config(args, mesh, shape: jsm.MoEShape, T: int, weights: tuple,
+                        engines: Sequence[str], ceilings: dict, key,
+                        rng: np.random.Generator) -> list:
+  """R = 1 on one device (--gpu): inputs made on the device, the sampled check, XLA's dense bf16
+  matmul of gemm1's FLOPs as this configuration's matmul ceiling, then every path timed."""
+  E, K, H, I = shape.num_experts, shape.topk, shape.hidden, shape.intermediate
+  cap = layout.m_cap(1, T, K, E, args.row_align)
+  tag = f"[{shape.name} T={T}]"
+  k_inputs, k_dense = jax.random.split(key)
+  engine_inputs, native_inputs = device_inputs(mesh, shape, T, k_inputs)
+  w1q, w_native = weights
+  ref, experts = sampled_reference(shape, args.row_align, cap, engine_inputs, w1q, rng)
+  rows_total = int(ref.layout.num_rows.sum())
+  progress(f"{tag} reference layout: {rows_total} rows, M_cap {cap}; h checked for experts "
+           f"{experts}")
+
+  progress(f"{tag} dense bf16 matmul [{T * K}, {H}] x [{H}, {2 * I}]: timing")
+  dense = {"shape": shape.name, "tokens": T,
+           **dense_bf16_matmul(T * K, H, 2 * I, args.iters, args.warmup, k_dense)}
+  ceilings["dense_bf16"].append(dense)
+  config_ceilings = {**ceilings, "matmul_gflops": {"bf16": dense["gflops"]}}
+
+  runtimes = []
+  try:
+    paths = make_engine_paths(args, mesh, shape, cap, engine_inputs, w1q, engines, runtimes,
+                              "bf16")
+    paths += native_paths(args, mesh, shape, T, native_inputs, w_native)
+    rows = check_and_time(args, paths, ref, shape, T, config_ceilings, tag)
+  finally:
+    for rt in runtimes:
+      rt.close()
+  jax.clear_caches()
+  return finish_rows(rows, shape, T, 1, cap, rows_total, checked_experts=experts,
+                     dense_bf16_gflops=dense["gflops"])
 
 
 # ------------------------------------------------------------------------------------------------
 # Output
+
+
+def render_table(cols: Sequence[tuple], rows: Sequence[Sequence], left: int) -> list:
+  """Lines of a text table: cols are (name, width, format), the first `left` left-aligned and
+  printed as they are, the others right-aligned and formatted ('-' for None). A str value in a
+  formatted column (e.g. 'failed: ...') is printed as it is."""
+  def cell(i, value):
+    name, width, fmt = cols[i]
+    if i < left:
+      return f"{value:<{width}}"
+    text = "-" if value is None else value if isinstance(value, str) else fmt.format(value)
+    return text.rjust(width)
+
+  lines = ["  ".join(f"{name:>{w}}" if i >= left else f"{name:<{w}}"
+                     for i, (name, w, _) in enumerate(cols))]
+  lines += ["  ".join(cell(i, v) for i, v in enumerate(vals)) for vals in rows]
+  return lines
 
 
 def format_table(rows: Sequence[dict], ceilings: dict) -> str:
@@ -613,21 +935,22 @@ def format_table(rows: Sequence[dict], ceilings: dict) -> str:
           ("rt+qpack", 8, "{:.2f}"), ("disp ms", 8, "{:.2f}"), ("GB/s", 6, "{:.2f}"),
           ("%bw", 5, "{:.0%}"), ("gemm1 ms", 8, "{:.2f}"), ("GFLOP/s", 7, "{:.1f}"),
           ("%mm", 5, "{:.0%}"), ("%ceil", 5, "{:.0%}"), ("vs nat", 6, "{:.2f}x"), ("drop", 5, "{}")]
-  lines = ["  ".join(f"{name:>{w}}" if i > 2 else f"{name:<{w}}" for i, (name, w, _) in
-                     enumerate(cols))]
+  table, failed = [], []
   for r in rows:
+    if "failed" in r:
+      failed.append(f"{r['shape']:<6}  {r['tokens']:<5}  {r['path']:<28}  failed: {r['failed']}")
+      continue
     st, frac = r["stages"], r["ceiling_fraction"]
 
     def get(stage, field):  # the reference row has no stages
       return st[stage][field] if st else None
 
-    vals = [r["shape"], r["tokens"], r["path"], r["stage1"]["median_ms"],
-            get("route+qpack", "median_ms"), get("dispatch", "median_ms"), get("dispatch", "gbps"),
-            frac.get("dispatch"), get("gemm1", "median_ms"), get("gemm1", "gflops"),
-            frac.get("gemm1"), frac["stage1"], r["vs_best_native"], r["dropped"]]
-    lines.append("  ".join(
-        (fmt.format(v) if v is not None else "-").rjust(w) if i > 2 else f"{v:<{w}}"
-        for i, ((_, w, fmt), v) in enumerate(zip(cols, vals))))
+    table.append([r["shape"], r["tokens"], r["path"], r["stage1"]["median_ms"],
+                  get("route+qpack", "median_ms"), get("dispatch", "median_ms"),
+                  get("dispatch", "gbps"), frac.get("dispatch"), get("gemm1", "median_ms"),
+                  get("gemm1", "gflops"), frac.get("gemm1"), frac["stage1"], r["vs_best_native"],
+                  r["dropped"]])
+  lines = render_table(cols, table, left=3) + failed
   for shape, T in sorted({(r["shape"], r["tokens"]) for r in rows}):
     lines.append(f"{shape:<6}  {T:<5}  {'native:ragged_a2a+ragged_dot':<28}  n/a on CPU "
                  "(XLA:CPU has no ragged_all_to_all)")
@@ -638,7 +961,63 @@ def format_table(rows: Sequence[dict], ceilings: dict) -> str:
   return "\n".join(lines)
 
 
-def write_plot(rows: Sequence[dict], path: Path) -> Optional[str]:
+def _rate(v: Optional[float]) -> Optional[str]:
+  """A rate with 3 significant digits, without exponents (H200 TFLOP/s run to 4 digits)."""
+  return None if v is None else f"{v:.0f}" if v >= 100 else f"{v:.3g}"
+
+
+def format_single_device_table(rows: Sequence[dict], ceilings: dict, skipped: set) -> str:
+  """--gpu: one line per engine path and (shape, tokens), with the JAX-native baselines of the same
+  configuration in its last columns."""
+  cols = [("shape", 6, "{}"), ("T", 5, "{}"), ("path", 12, "{}"), ("stage1 ms", 9, "{:.3f}"),
+          ("rt+qp ms", 8, "{:.3f}"), ("GB/s", 6, "{}"), ("%copy", 5, "{:.0%}"),
+          ("disp ms", 7, "{:.3f}"), ("gemm1 ms", 8, "{:.3f}"), ("TFLOP/s", 7, "{}"),
+          ("mm TF/s", 7, "{}"), ("%mm", 5, "{:.0%}"), ("einsum ms", 9, "{:.3f}"),
+          ("drop", 5, "{}"), ("vs nat", 6, "{:.2f}x"), ("ragged ms", 9, "{:.3f}")]
+
+  def native(shape, T, baseline):
+    """(stage1 ms or why there is none, rows dropped) of a baseline in this configuration."""
+    if baseline in skipped:
+      return "skipped", None
+    r = next((r for r in rows if r["shape"] == shape and r["tokens"] == T
+              and r.get("baseline") == baseline), None)
+    if r is None:
+      return None, None
+    if "failed" in r:
+      return f"failed: {r['failed']}", None
+    return r["stage1"]["median_ms"], r["dropped"]
+
+  table = []
+  for r in rows:
+    if r["kind"] != "engine":
+      continue
+    shape, T = r["shape"], r["tokens"]
+    einsum_ms, drop = native(shape, T, "einsum")
+    ragged_ms, _ = native(shape, T, "ragged")
+    if "failed" in r:
+      table.append([shape, T, r["path"], f"failed: {r['failed']}"] + [None] * 8
+                   + [einsum_ms, drop, None, ragged_ms])
+      continue
+    q, d, g = (r["stages"][s] for s in STAGES)
+    frac = r["ceiling_fraction"]
+    table.append([shape, T, r["path"], r["stage1"]["median_ms"], q["median_ms"], _rate(q["gbps"]),
+                  frac["route+qpack"], d["median_ms"], g["median_ms"], _rate(g["gflops"] / 1e3),
+                  _rate(r["dense_bf16_gflops"] / 1e3), frac["gemm1"], einsum_ms, drop,
+                  r["vs_best_native"], ragged_ms])
+  lines = render_table(cols, table, left=3)
+  lines.append(f"ceilings: copy {ceilings['copy_gbps']:.0f} GB/s, dense bf16 "
+               f"{ceilings['matmul_gflops']['bf16'] / 1e3:.3g} TFLOP/s ({ceilings['how']})")
+  lines += [f"- {n}" for n in SINGLE_DEVICE_NOTES]
+  return "\n".join(lines)
+
+
+DENSE_LABEL = "XLA dense bf16 matmul, same FLOPs"
+
+
+def write_plot(rows: Sequence[dict], path: Path, dense: Optional[Sequence[dict]] = None
+               ) -> Optional[str]:
+  """Stage1 ms against tokens per shape, one line per path; with `dense` (--gpu) a second row of
+  panels: gemm1 useful TFLOP/s of every path against XLA's dense bf16 matmul of the same FLOPs."""
   try:
     import matplotlib
     matplotlib.use("Agg")
@@ -646,30 +1025,47 @@ def write_plot(rows: Sequence[dict], path: Path) -> Optional[str]:
     import matplotlib.ticker
   except ImportError:
     return "matplotlib is not importable: no plot written (pip install matplotlib)"
-  shapes = sorted({r["shape"] for r in rows})
-  fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), squeeze=False)
-  for ax, shape in zip(axes[0], shapes):
-    for name in dict.fromkeys(r["path"] for r in rows if r["shape"] == shape):
-      pts = sorted((r["tokens"], r["stage1"]["median_ms"]) for r in rows
-                   if r["shape"] == shape and r["path"] == name)
-      ax.plot(*zip(*pts), marker="o", label=name, linestyle="-" if name.startswith("engine")
-              else "--")
-    ax.set(xscale="log", yscale="log", xlabel="tokens per rank", ylabel="Stage1 ms (median)",
-           title=f"{shape}, {rows[0]['ranks']} ranks")
-    ax.set_xticks(sorted({r["tokens"] for r in rows if r["shape"] == shape}))
+  ok = [r for r in rows if "failed" not in r]
+  if not ok:
+    return "no measured rows: no plot written"
+  shapes = sorted({r["shape"] for r in ok})
+  panels = 2 if dense is not None else 1
+  fig, axes = plt.subplots(panels, len(shapes), figsize=(6 * len(shapes), 4.5 * panels),
+                           squeeze=False)
+
+  def draw(ax, series: dict, ylabel: str, title: str):
+    for name, pts in series.items():
+      if pts:  # engines solid, JAX-native dashed, the dense matmul ceiling dotted
+        ax.plot(*zip(*sorted(pts)), marker="o", label=name,
+                linestyle="-" if name.startswith("engine") else ":" if name == DENSE_LABEL
+                else "--")
+    ax.set(xscale="log", yscale="log", xlabel="tokens per rank", ylabel=ylabel, title=title)
+    ax.set_xticks(sorted({T for pts in series.values() for T, _ in pts}))
     ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
+
+  for col, shape in enumerate(shapes):
+    mine = [r for r in ok if r["shape"] == shape]
+    names = dict.fromkeys(r["path"] for r in mine)
+    draw(axes[0][col], {n: [(r["tokens"], r["stage1"]["median_ms"]) for r in mine
+                            if r["path"] == n] for n in names},
+         "Stage1 ms (median)", f"{shape}, {ok[0]['ranks']} ranks")
+    if dense is not None:
+      series = {n: [(r["tokens"], r["stages"]["gemm1"]["gflops"] / 1e3) for r in mine
+                    if r["path"] == n and r["stages"]] for n in names}
+      series[DENSE_LABEL] = [(d["tokens"], d["gflops"] / 1e3) for d in dense
+                             if d["shape"] == shape]
+      draw(axes[1][col], series, "gemm1 useful TFLOP/s", f"{shape}: gemm1")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
   return None
 
 
-def metadata(args, engines) -> dict:
-  devices = jax.devices()
+def metadata(args, engines, devices) -> dict:
   cpu_model = platform.processor()
   if not cpu_model and os.path.exists("/proc/cpuinfo"):
     with open("/proc/cpuinfo") as f:
@@ -685,42 +1081,105 @@ def metadata(args, engines) -> dict:
           "args": vars(args), "argv": sys.argv}
 
 
+class Report:
+  """The JSON (rewritten after every configuration, so an interrupted run keeps what it has) and,
+  at the end, the PNG, under --out."""
+
+  def __init__(self, args, stem: str, meta: dict, ceilings: dict, notes: Sequence[str]):
+    self.dir = Path(args.out)
+    self.dir.mkdir(parents=True, exist_ok=True)
+    self.json, self.png = self.dir / f"{stem}.json", self.dir / f"{stem}.png"
+    self.head = {"meta": meta, "ceilings": ceilings, "notes": list(notes)}
+
+  def write_json(self, rows: Sequence[dict]) -> None:
+    self.json.write_text(json.dumps({**self.head, "results": list(rows)}, indent=1) + "\n")
+
+  def finish(self, rows: Sequence[dict], dense=None) -> None:
+    self.write_json(rows)
+    print(f"wrote {self.json}")
+    note = write_plot(rows, self.png, dense)
+    print(note or f"wrote {self.png}")
+
+
+def parse_list(text: Optional[str], default: str) -> list:
+  return [s for s in (text or default).split(",") if s]
+
+
 def main(args) -> None:
-  shapes = [s for s in args.shapes.split(",") if s]
+  mode = int(args.gpu)  # index into the DEFAULT_* pairs
+  shapes = parse_list(args.shapes, DEFAULT_SHAPES[mode])
   unknown = [s for s in shapes if s not in jsm.SHAPES]
   if unknown:
     raise SystemExit(f"unknown shape(s) {unknown}; known: {sorted(jsm.SHAPES)}")
-  tokens = [int(t) for t in args.tokens.split(",") if t]
-  if args.gpu:
-    raise SystemExit(GPU_NOT_YET)
-  engines = [e for e in (args.engines or "cpu,xla").split(",") if e]
+  tokens = [int(t) for t in parse_list(args.tokens, DEFAULT_TOKENS[mode])]
+  engines = parse_list(args.engines, DEFAULT_ENGINES[mode])
+  skipped_natives(args)  # reject unknown names before anything runs
+  try:
+    rows = (main_single_device if args.gpu else main_host_devices)(args, shapes, tokens, engines)
+  except CheckError as e:
+    raise SystemExit(f"CHECK FAILED (aborted before timing it; results so far in --out): {e}")
+  if any("failed" in r for r in rows if r["kind"] == "engine"):
+    raise SystemExit("an engine path failed at run time (see the table)")
+
+
+def main_host_devices(args, shapes, tokens, engines) -> list:
+  """R ranks on virtual CPU devices."""
   if len(jax.devices()) < args.devices:
     raise SystemExit(f"{args.devices} devices requested, jax sees {len(jax.devices())}: set "
                      f"XLA_FLAGS=--xla_force_host_platform_device_count={args.devices} before "
                      "jax is imported (running bench/run.py as a script does)")
+  devices = jax.devices()[:args.devices]
   mesh = jax.make_mesh((args.devices,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,),
-                       devices=jax.devices()[:args.devices])
+                       devices=devices)
   progress("measuring ceilings")
   ceilings = measure_ceilings()
+  report = Report(args, args.tag or "cpu", metadata(args, engines, devices), ceilings, NOTES)
   rng = np.random.default_rng(args.seed)
   rows = []
-  try:
-    for name in shapes:
-      for T in tokens:
-        rows += bench_config(args, mesh, jsm.SHAPES[name], T, engines, ceilings, rng)
-  except CheckError as e:
-    raise SystemExit(f"CHECK FAILED (aborted before timing it; no results written): {e}")
-
+  for name in shapes:
+    for T in tokens:
+      rows += bench_config(args, mesh, jsm.SHAPES[name], T, engines, ceilings, rng)
+      report.write_json(rows)
   print(format_table(rows, ceilings))
-  out_dir = Path(args.out)
-  out_dir.mkdir(parents=True, exist_ok=True)
-  stem = args.tag or "cpu"
-  report = {"meta": metadata(args, engines), "ceilings": ceilings, "notes": list(NOTES),
-            "results": rows}
-  (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
-  print(f"wrote {out_dir / f'{stem}.json'}")
-  note = write_plot(rows, out_dir / f"{stem}.png")
-  print(note or f"wrote {out_dir / f'{stem}.png'}")
+  report.finish(rows)
+  return rows
+
+
+def main_single_device(args, shapes, tokens, engines) -> list:
+  """--gpu: R = 1 on the first device of --platform; everything made and measured there."""
+  try:
+    device = jax.devices(args.platform)[0]
+  except RuntimeError as e:
+    raise SystemExit(f"--gpu: no {args.platform} device ({e}); --platform cpu runs the same code "
+                     "on the CPU") from None
+  on_gpu = device.platform != "cpu"
+  # Auto axis: the stacked [1, ...] arrays then also feed plain jnp code (the reference), which
+  # refuses to reduce over an Explicit-sharded axis even of size 1
+  mesh = jax.make_mesh((1,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=[device])
+  key = jax.random.key(args.seed)
+  rng = np.random.default_rng(args.seed)  # picks the randomly checked experts
+  rows = []
+  with jax.default_device(device):  # every array this makes, and every jit without inputs
+    progress(f"measuring ceilings on {device.device_kind}")
+    # a 2 GiB copy and an 8192^3 matmul make the H200's ceilings; a CPU gets a smaller copy and
+    # matmul so that trying the mode stays quick
+    ceilings = measure_device_ceilings(device, (2 << 30) if on_gpu else (256 << 20),
+                                       8192 if on_gpu else 1024)
+    report = Report(args, args.tag or ("gpu" if on_gpu else "gpu-cpu"),
+                    metadata(args, engines, [device]), ceilings, SINGLE_DEVICE_NOTES)
+    for s, name in enumerate(shapes):
+      shape = jsm.SHAPES[name]
+      progress(f"[{name}] making w1 on the device")
+      weights = device_weights(mesh, shape, jax.random.fold_in(key, 2 * s))
+      for T in tokens:
+        rows += bench_single_config(args, mesh, shape, T, weights, engines, ceilings,
+                                    jax.random.fold_in(jax.random.fold_in(key, 2 * s + 1), T),
+                                    rng)
+        report.write_json(rows)
+      del weights  # the next shape's weights need the memory (v4pro: 17 GB fp8 + 34 GB bf16)
+  print(format_single_device_table(rows, ceilings, skipped_natives(args)))
+  report.finish(rows, ceilings["dense_bf16"])
+  return rows
 
 
 if __name__ == "__main__":
