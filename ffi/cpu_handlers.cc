@@ -6,19 +6,14 @@
 
 #include "kernels/cpu/dispatch.h"
 #include "kernels/common/mxfp8.h"
+#include "signatures.h"
 #include "kernels/cpu/stage.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-// Aliases keep commas out of the handler macros.
-using S32Scalar = ffi::Buffer<ffi::S32, 0>;
-using S32Vec = ffi::Buffer<ffi::S32, 1>;
-using S32Mat = ffi::Buffer<ffi::S32, 2>;
-using F32Vec = ffi::Buffer<ffi::F32, 1>;
-using F32Mat = ffi::Buffer<ffi::F32, 2>;
-using BF16Mat = ffi::Buffer<ffi::BF16, 2>;
+using namespace jsm::sig;  // the buffer aliases
 
 ffi::Error check_dtype(const ffi::AnyBuffer& b, ffi::DataType want, const char* what) {
   if (b.element_type() != want)
@@ -186,82 +181,22 @@ ffi::Error CheckOverflowImpl(S32Scalar overflow, S32Scalar rank, ffi::Result<S32
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmCheckOverflowCpu, CheckOverflowImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<S32Scalar>()
-                                  .Arg<S32Scalar>()
-                                  .Ret<S32Scalar>()
-                                  .Attr<int64_t>("cap"));
+                              jsm::sig::check_overflow(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmQuantizeCpu, QuantizeImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                              jsm::sig::quantize(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmRouteCpu, RouteImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<S32Mat>()
-                                  .Ret<S32Mat>()
-                                  .Ret<S32Mat>()
-                                  .Ret<S32Scalar>());
+                              jsm::sig::route(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmQpackCpu, QpackImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<BF16Mat>()
-                                  .Arg<F32Mat>()
-                                  .Arg<S32Mat>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<S32Vec>()
-                                  .Ret<S32Vec>()
-                                  .Ret<F32Vec>());
+                              jsm::sig::qpack(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmPackCpu, PackImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<F32Mat>()
-                                  .Arg<S32Mat>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<S32Vec>()
-                                  .Ret<S32Vec>()
-                                  .Ret<F32Vec>());
+                              jsm::sig::pack(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmDispatchCpu, DispatchImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<S32Vec>()
-                                  .Arg<S32Vec>()
-                                  .Arg<F32Vec>()
-                                  .Arg<S32Mat>()
-                                  .Arg<S32Scalar>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<S32Vec>()
-                                  .Ret<S32Vec>()
-                                  .Ret<S32Vec>()
-                                  .Ret<F32Vec>()
-                                  .Ret<S32Vec>()
-                                  .Ret<S32Vec>()
-                                  .Ret<S32Scalar>()
-                                  .Ret<S32Scalar>()
-                                  .Attr<int64_t>("runtime_id")
-                                  .Attr<int64_t>("row_align")
-                                  .Attr<double>("timeout_s")
-                                  .Attr<int64_t>("fault_absent_rank")
-                                  .Attr<int64_t>("fault_delay_rank")
-                                  .Attr<int64_t>("fault_delay_ms"));
+                              jsm::sig::dispatch(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmGemm1Cpu, Gemm1Impl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<S32Vec>()
-                                  .Arg<S32Vec>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .RemainingRets()
-                                  .Attr<bool>("has_limit")
-                                  .Attr<float>("swiglu_limit"));
+                              jsm::sig::gemm1(ffi::Ffi::Bind()));

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "cuda_handlers.h"
+#include "signatures.h"
 #include "kernels/cuda/gemm1.cuh"
 #include "kernels/cuda/stages.cuh"
 
@@ -14,13 +15,9 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using namespace jsm::sig;  // the buffer aliases
+
 using Stream = ffi::PlatformStream<cudaStream_t>;
-using S32Scalar = ffi::Buffer<ffi::S32, 0>;
-using S32Vec = ffi::Buffer<ffi::S32, 1>;
-using S32Mat = ffi::Buffer<ffi::S32, 2>;
-using F32Vec = ffi::Buffer<ffi::F32, 1>;
-using F32Mat = ffi::Buffer<ffi::F32, 2>;
-using BF16Mat = ffi::Buffer<ffi::BF16, 2>;
 
 #define JSM_RETURN_IF_ERROR(expr) \
   do {                            \
@@ -263,89 +260,22 @@ ffi::Error CheckOverflowImpl(cudaStream_t stream, S32Scalar overflow, S32Scalar 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmQuantizeCuda, QuantizeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                              jsm::sig::quantize(ffi::Ffi::Bind().Ctx<Stream>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmRouteCuda, RouteImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<S32Mat>()
-                                  .Ret<S32Mat>()
-                                  .Ret<S32Mat>()
-                                  .Ret<S32Scalar>());
+                              jsm::sig::route(ffi::Ffi::Bind().Ctx<Stream>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmQpackCuda, QpackImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<BF16Mat>()
-                                  .Arg<F32Mat>()
-                                  .Arg<S32Mat>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<S32Vec>()
-                                  .Ret<S32Vec>()
-                                  .Ret<F32Vec>());
+                              jsm::sig::qpack(ffi::Ffi::Bind().Ctx<Stream>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmPackCuda, PackImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<F32Mat>()
-                                  .Arg<S32Mat>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<S32Vec>()
-                                  .Ret<S32Vec>()
-                                  .Ret<F32Vec>());
+                              jsm::sig::pack(ffi::Ffi::Bind().Ctx<Stream>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmDispatchCuda, DispatchImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<S32Vec>()
-                                  .Arg<S32Vec>()
-                                  .Arg<F32Vec>()
-                                  .Arg<S32Mat>()
-                                  .Arg<S32Scalar>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<S32Vec>()
-                                  .Ret<S32Vec>()
-                                  .Ret<S32Vec>()
-                                  .Ret<F32Vec>()
-                                  .Ret<S32Vec>()
-                                  .Ret<S32Vec>()
-                                  .Ret<S32Scalar>()
-                                  .Ret<S32Scalar>()
-                                  .Attr<int64_t>("runtime_id")
-                                  .Attr<int64_t>("row_align")
-                                  .Attr<double>("timeout_s")
-                                  .Attr<int64_t>("fault_absent_rank")
-                                  .Attr<int64_t>("fault_delay_rank")
-                                  .Attr<int64_t>("fault_delay_ms"));
+                              jsm::sig::dispatch(ffi::Ffi::Bind().Ctx<Stream>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmGemm1Cuda, Gemm1Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<S32Vec>()
-                                  .Arg<S32Vec>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .RemainingRets()
-                                  .Attr<bool>("has_limit")
-                                  .Attr<float>("swiglu_limit"));
+                              jsm::sig::gemm1(ffi::Ffi::Bind().Ctx<Stream>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmCheckOverflowCuda, CheckOverflowImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<S32Scalar>()
-                                  .Arg<S32Scalar>()
-                                  .Ret<S32Scalar>()
-                                  .Attr<int64_t>("cap"));
+                              jsm::sig::check_overflow(ffi::Ffi::Bind().Ctx<Stream>()));

@@ -2,6 +2,9 @@
 // jax.ffi.register_ffi_target, one target name per stage) and owns the cpu engine's Runtime table.
 #include <pybind11/pybind11.h>
 
+#include <initializer_list>
+#include <utility>
+
 #include "cpu_handlers.h"
 #ifdef JSM_WITH_CUDA
 #include "cuda_handlers.h"
@@ -12,9 +15,11 @@ namespace py = pybind11;
 
 namespace {
 
-template <typename T>
-py::capsule encapsulate(T* fn) {
-  return py::capsule(reinterpret_cast<void*>(fn));
+// stage name -> capsule of its handler, in the order of jax_sdma_moe.primitives.STAGES
+py::dict targets(std::initializer_list<std::pair<const char*, XLA_FFI_Handler*>> handlers) {
+  py::dict d;
+  for (const auto& [stage, fn] : handlers) d[stage] = py::capsule(reinterpret_cast<void*>(fn));
+  return d;
 }
 
 }  // namespace
@@ -22,27 +27,15 @@ py::capsule encapsulate(T* fn) {
 PYBIND11_MODULE(_jsm_ffi, m) {
   m.doc() = "jax_sdma_moe FFI handlers";
   m.def("cpu_targets", [] {
-    py::dict d;
-    d["quantize"] = encapsulate(JsmQuantizeCpu);
-    d["route"] = encapsulate(JsmRouteCpu);
-    d["qpack"] = encapsulate(JsmQpackCpu);
-    d["pack"] = encapsulate(JsmPackCpu);
-    d["dispatch"] = encapsulate(JsmDispatchCpu);
-    d["gemm1"] = encapsulate(JsmGemm1Cpu);
-    d["check_overflow"] = encapsulate(JsmCheckOverflowCpu);
-    return d;
+    return targets({{"quantize", JsmQuantizeCpu}, {"route", JsmRouteCpu}, {"qpack", JsmQpackCpu},
+                    {"pack", JsmPackCpu}, {"dispatch", JsmDispatchCpu}, {"gemm1", JsmGemm1Cpu},
+                    {"check_overflow", JsmCheckOverflowCpu}});
   });
 #ifdef JSM_WITH_CUDA
   m.def("cuda_targets", [] {
-    py::dict d;
-    d["quantize"] = encapsulate(JsmQuantizeCuda);
-    d["route"] = encapsulate(JsmRouteCuda);
-    d["qpack"] = encapsulate(JsmQpackCuda);
-    d["pack"] = encapsulate(JsmPackCuda);
-    d["dispatch"] = encapsulate(JsmDispatchCuda);
-    d["gemm1"] = encapsulate(JsmGemm1Cuda);
-    d["check_overflow"] = encapsulate(JsmCheckOverflowCuda);
-    return d;
+    return targets({{"quantize", JsmQuantizeCuda}, {"route", JsmRouteCuda},
+                    {"qpack", JsmQpackCuda}, {"pack", JsmPackCuda}, {"dispatch", JsmDispatchCuda},
+                    {"gemm1", JsmGemm1Cuda}, {"check_overflow", JsmCheckOverflowCuda}});
   });
 #endif
   m.def("runtime_create", &jsm::runtime_create, py::arg("num_ranks"));

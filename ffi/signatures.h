@@ -1,0 +1,90 @@
+// The argument, result and attribute lists of every custom call, shared by the platforms' handlers
+// (they are fixed by the primitives' abstract evaluation in jax_sdma_moe/primitives.py). Each
+// function extends a binding that already holds the platform's context (none on the CPU, the
+// stream on CUDA): XLA_FFI_DEFINE_HANDLER_SYMBOL(Name, Impl, jsm::sig::route(ffi::Ffi::Bind())).
+#pragma once
+
+#include <utility>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jsm {
+namespace sig {
+
+namespace ffi = xla::ffi;
+using S32Scalar = ffi::Buffer<ffi::S32, 0>;
+using S32Vec = ffi::Buffer<ffi::S32, 1>;
+using S32Mat = ffi::Buffer<ffi::S32, 2>;
+using F32Vec = ffi::Buffer<ffi::F32, 1>;
+using F32Mat = ffi::Buffer<ffi::F32, 2>;
+using BF16Mat = ffi::Buffer<ffi::BF16, 2>;
+using Any = ffi::AnyBuffer;
+
+// (values, scales) <- x
+template <class B>
+auto quantize(B b) {
+  return std::move(b).template Arg<Any>().template Ret<Any>().template Ret<Any>();
+}
+
+// (send_counts [R, EL], send_pos [T, K], num_invalid) <- ids [T, K]
+template <class B>
+auto route(B b) {
+  return std::move(b).template Arg<S32Mat>().template Ret<S32Mat>().template Ret<S32Mat>()
+      .template Ret<S32Scalar>();
+}
+
+// the send buffer: values, scales, token, slot, weight
+template <class B>
+auto send_buffer_rets(B b) {
+  return std::move(b).template Ret<Any>().template Ret<Any>().template Ret<S32Vec>()
+      .template Ret<S32Vec>().template Ret<F32Vec>();
+}
+
+// send buffer <- x bf16 [T, H], weights [T, K], send_pos [T, K]
+template <class B>
+auto qpack(B b) {
+  return send_buffer_rets(
+      std::move(b).template Arg<BF16Mat>().template Arg<F32Mat>().template Arg<S32Mat>());
+}
+
+// send buffer <- x values, x scales, weights [T, K], send_pos [T, K]
+template <class B>
+auto pack(B b) {
+  return send_buffer_rets(std::move(b).template Arg<Any>().template Arg<Any>()
+                              .template Arg<F32Mat>().template Arg<S32Mat>());
+}
+
+// landed rows (values, scales, src_rank, token, slot, weight, expert_offsets, expert_counts,
+// num_rows, overflow) <- send buffer, send_counts [R, EL], rank
+template <class B>
+auto dispatch(B b) {
+  return std::move(b)
+      .template Arg<Any>().template Arg<Any>().template Arg<S32Vec>().template Arg<S32Vec>()
+      .template Arg<F32Vec>().template Arg<S32Mat>().template Arg<S32Scalar>()
+      .template Ret<Any>().template Ret<Any>().template Ret<S32Vec>().template Ret<S32Vec>()
+      .template Ret<S32Vec>().template Ret<F32Vec>().template Ret<S32Vec>().template Ret<S32Vec>()
+      .template Ret<S32Scalar>().template Ret<S32Scalar>()
+      .template Attr<int64_t>("runtime_id").template Attr<int64_t>("row_align")
+      .template Attr<double>("timeout_s").template Attr<int64_t>("fault_absent_rank")
+      .template Attr<int64_t>("fault_delay_rank").template Attr<int64_t>("fault_delay_ms");
+}
+
+// h (bf16) or (h values, h scales) <- landed values, scales, expert_offsets, expert_counts,
+// w1 values, w1 scales
+template <class B>
+auto gemm1(B b) {
+  return std::move(b)
+      .template Arg<Any>().template Arg<Any>().template Arg<S32Vec>().template Arg<S32Vec>()
+      .template Arg<Any>().template Arg<Any>().RemainingRets()
+      .template Attr<bool>("has_limit").template Attr<float>("swiglu_limit");
+}
+
+// overflow (passed through; the call fails if > 0) <- overflow, rank
+template <class B>
+auto check_overflow(B b) {
+  return std::move(b).template Arg<S32Scalar>().template Arg<S32Scalar>()
+      .template Ret<S32Scalar>().template Attr<int64_t>("cap");
+}
+
+}  // namespace sig
+}  // namespace jsm
