@@ -46,7 +46,7 @@ def _split_topk(topk) -> Tuple[jax.Array, Optional[jax.Array]]:
   return topk, None
 
 
-def _check_inputs(x, ids, weights, w1q, R):
+def _check_inputs(x, ids, weights, w1q):
   if isinstance(x, MXFP8):
     if x.values.dtype != F8 or x.scales.dtype != jnp.uint8:
       raise TypeError("stage1: MX-fp8 x must be (float8_e4m3fn values, uint8 scales)")
@@ -113,7 +113,7 @@ def stage1(x: Union[jax.Array, MXFP8], topk, w1q: QuantizedW1, *, runtime: Runti
     raise TypeError("stage1: runtime= must be a jax_sdma_moe.Runtime")
   cfg, R, axis = runtime.config, runtime.num_ranks, runtime.axis_name
   ids, weights = _split_topk(topk)
-  T, H, K, EL = _check_inputs(x, ids, weights, w1q, R)
+  T, H, K, EL = _check_inputs(x, ids, weights, w1q)
   try:
     axis_size = lax.axis_size(axis)
   except NameError as e:

@@ -13,7 +13,7 @@ import numpy as np
 from jax import lax
 
 from .layout import BLOCK, landing_layout
-from .types import MXFP8, Landed, QuantizedW1, Route, SendBuffer
+from .types import MXFP8, Landed, QuantizedW1, Route, SendBuffer, Stage1Output
 
 INV_448 = np.uint32(0x3B124925).view(np.float32)  # float32(1/448), DESIGN.md §3 step 2
 SCALE_NAN = 0xFF
@@ -174,7 +174,6 @@ def stage1(x, ids: jax.Array, weights: Optional[jax.Array], w1: QuantizedW1, *, 
 
   Returns a Stage1Output with a leading [R] axis (and the float32 h when return_f32).
   """
-  from .types import Stage1Output
   R, T, K = ids.shape
   E = w1.values.shape[0]
   if E % R:
