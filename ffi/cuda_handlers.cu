@@ -9,6 +9,7 @@
 #include "cuda_handlers.h"
 #include "signatures.h"
 #include "kernels/cuda/gemm1.cuh"
+#include "kernels/cuda/gemm1_wgmma.cuh"
 #include "kernels/cuda/stages.cuh"
 
 namespace ffi = xla::ffi;
@@ -171,16 +172,25 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer values, ffi::AnyBuff
   return last_error("dispatch");
 }
 
+// A stage's KB scale bytes of a row can be one cp.async when rows of scales keep them aligned.
+bool scales_aligned(const jsm::cuda::Gemm1Args& g, int kb) {
+  return (g.H / jsm::kBlock) % kb == 0 && reinterpret_cast<uintptr_t>(g.a_scales) % kb == 0 &&
+         reinterpret_cast<uintptr_t>(g.w_scales) % kb == 0;
+}
+
+template <class Kernel>
+void launch_persistent(Kernel kernel, int threads, int smem, const jsm::cuda::Gemm1Args& g,
+                       cudaStream_t stream) {
+  // per call: the attribute belongs to the current device's context
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  kernel<<<num_sms(), threads, smem, stream>>>(g);
+}
+
 template <class C>
 void launch_gemm1(jsm::cuda::Gemm1Args g, cudaStream_t stream) {
   namespace v1 = jsm::cuda::gemm1_v1;
-  g.scales_aligned = (g.H / jsm::kBlock) % C::KB == 0 &&
-                     reinterpret_cast<uintptr_t>(g.a_scales) % C::KB == 0 &&
-                     reinterpret_cast<uintptr_t>(g.w_scales) % C::KB == 0;
-  // per call: the attribute belongs to the current device's context
-  cudaFuncSetAttribute(v1::gemm1_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                       C::kSmemBytes);
-  v1::gemm1_kernel<C><<<num_sms(), v1::THREADS, C::kSmemBytes, stream>>>(g);
+  g.scales_aligned = scales_aligned(g, C::KB);
+  launch_persistent(v1::gemm1_kernel<C>, v1::THREADS, C::kSmemBytes, g, stream);
 }
 
 ffi::Error Gemm1Impl(cudaStream_t stream, ffi::AnyBuffer a_values, ffi::AnyBuffer a_scales,
@@ -227,7 +237,16 @@ ffi::Error Gemm1Impl(cudaStream_t stream, ffi::AnyBuffer a_values, ffi::AnyBuffe
                                                   static_cast<uint8_t*>((*h)->untyped_data()), hs,
                                                   scale_bytes);
   JSM_RETURN_IF_ERROR(last_error("gemm1 padding"));
-  if (g.m_cap > 0) {
+  static const bool wgmma = [] {
+    const char* v = getenv("JSM_GEMM1");
+    return v && std::string(v) == "wgmma";
+  }();
+  if (g.m_cap > 0 && wgmma) {
+    // experimental v3 (not yet run on a GPU): opt in with JSM_GEMM1=wgmma
+    namespace v3 = jsm::cuda::gemm1_v3;
+    g.scales_aligned = scales_aligned(g, v3::C::KB);
+    launch_persistent(v3::gemm1_kernel, v3::THREADS, v3::kSmemBytes, g, stream);
+  } else if (g.m_cap > 0) {
     // stage depth: JSM_GEMM1_KB=4 (128 B of K per row per stage, the default: measured 5-20%
     // faster on an H200, docs/PERF.md) or 8 (256 B)
     static const int kb = [] {
