@@ -120,7 +120,7 @@ def dispatch(x: MXFP8, ids: jax.Array, weights: jax.Array, num_experts: int, row
   q = jnp.arange(R * T * K)
   src, tok, slot = q // (T * K), (q // K) % T, q % K
   vbytes = lax.bitcast_convert_type(x.values, jnp.uint8).reshape(R * T, H)
-  scales = x.scales.reshape(R * T, -1)
+  scales = x.scales.reshape(R * T, H // BLOCK)
   row = src * T + tok
 
   def scatter(fill, upd, shape=()):
@@ -129,7 +129,7 @@ def dispatch(x: MXFP8, ids: jax.Array, weights: jax.Array, num_experts: int, row
   values = scatter(0, vbytes[row], (H,)).reshape(R, cap, H)
   return Landed(
       lax.bitcast_convert_type(values, F8),
-      scatter(0, scales[row], (scales.shape[-1],)).reshape(R, cap, -1),
+      scatter(0, scales[row], (H // BLOCK,)).reshape(R, cap, H // BLOCK),
       scatter(-1, src.astype(jnp.int32)).reshape(R, cap),
       scatter(-1, tok.astype(jnp.int32)).reshape(R, cap),
       scatter(-1, slot.astype(jnp.int32)).reshape(R, cap),

@@ -44,7 +44,7 @@ def dispatch(send: SendBuffer, send_counts: jax.Array, *, axis_name: str, num_ra
   else:
     recv_start = jnp.arange(R) * S
     idx = jnp.clip(dest_start[:, None] + jnp.arange(S)[None, :], 0, S - 1)
-    recv = lax.all_to_all(payload[idx], axis_name, 0, 0).reshape(R * S, -1)
+    recv = lax.all_to_all(payload[idx], axis_name, 0, 0).reshape(R * S, payload.shape[-1])
   # each received row: its source s, its index j in s's chunk, its local expert e
   q = jnp.arange(R * S)
   s = jnp.clip(jnp.searchsorted(recv_start, q, side="right") - 1, 0, R - 1)

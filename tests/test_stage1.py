@@ -58,6 +58,20 @@ class Stage1Test(parameterized.TestCase):
     for engine in ("cpu", "xla"):
       run_case(self, engine=engine, **kw)
 
+  @parameterized.parameters("cpu", "xla")
+  def test_empty_batch(self, engine):
+    """T = 0 tokens per rank: every output is padding, nothing fails."""
+    r = _util.rng()
+    m = _util.mesh(R)
+    x, ids, w, w1q = _util.make_problem(r, R, 1, 64, 32, 16, 2)
+    x, ids, w = x[:0], ids[:0], w[:0]
+    cfg = jsm.Stage1Config(engine=engine, row_align=8)
+    with jsm.Runtime(m, "ep", cfg) as rt:
+      out = _util.stage1_fn(m, rt)(*_util.shard(m, (x, ids, w)), _util.shard(m, w1q))
+    ref, h32 = _util.reference(x, ids, w, w1q, R, cfg, 0)
+    _util.check_stage1(self, out, ref, h32, "bf16")
+    self.assertEqual(int(np.asarray(out.num_rows).sum()), 0)
+
   def test_local_engine_one_rank(self):
     r = _util.rng()
     m = _util.mesh(1)
