@@ -4,6 +4,14 @@ Two modes, one set of paths, checks and timers:
   * default: R ranks on virtual CPU devices (8). For each shape and tokens/rank it builds fresh
     random inputs on the host, checks every path against the full `jax_sdma_moe.reference.stage1`,
     then times them. A jnp-reference row is timed too.
+    Multi-process (`mpirun -n R`, or R processes started with --coordinator/--num-processes/
+    --process-id): the same, with one rank per process (on CPU each process holds one CPU device;
+    on GPUs, one GPU each) over jax.distributed (gloo collectives on CPU). Every process makes the
+    same inputs from the same seed and computes the full reference, checks the outputs of its own
+    ranks (a failure on any process fails all), and times every call; a call's time is the max
+    over processes. Engines: `xla` by default (engine `cpu` works within one process only).
+    Process 0 prints the table and writes the files (tag `<platform>-mpi<R>` under mpirun,
+    `<platform>-mp<R>` with --coordinator).
   * --gpu: one device, R = 1, engine `local` (the first GPU; `--platform cpu` runs the same code on
     one CPU device, to try it where there is no GPU). Inputs and weights are made on the device
     (w1 per shape: jax.random in bf16, quantised by the MX-fp8 kernel inside the same jit, so the
@@ -27,13 +35,18 @@ Usage (from the repository root; `python -m bench.run` works too):
   python bench/run.py --gpu         # one GPU: dsv3, v4pro at T = 128, 1024, 4096, 8192
   python bench/run.py --gpu --platform cpu --shapes small --tokens 32,128 --iters 3 --warmup 1
   python bench/run.py --gpu --skip-native ragged   # ragged_dot is slow / out of memory on GPU
+  mpirun --allow-run-as-root -n 2 python bench/run.py --tokens 32,128   # 2 processes, 1 rank each
+  python bench/run.py --coordinator localhost:12345 --num-processes 2 --process-id 0 & \
+  python bench/run.py --coordinator localhost:12345 --num-processes 2 --process-id 1   # no MPI
 
 Timing: one call is the wall time of the whole SPMD program until `jax.block_until_ready`, i.e. the
-max over ranks in this single-process run; statistics are over --iters calls after --warmup more.
+max over ranks in a single-process run (multi-process: each process times the call, and the call's
+time is the max over processes); statistics are over --iters calls after --warmup more.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -55,6 +68,8 @@ NATIVE_BASELINES = ("einsum", "ragged")  # --skip-native names
 DEFAULT_SHAPES = ("small", "dsv3,v4pro")
 DEFAULT_TOKENS = ("128,1024", "128,1024,4096,8192")
 DEFAULT_ENGINES = ("cpu,xla", "local")
+MULTI_PROCESS_ENGINES = "xla"  # engine cpu moves rows between the devices of one process only
+DEFAULT_DEVICES = 8
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,8 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--tokens", default=None, help="comma list of tokens per rank "
                  f"(default: {DEFAULT_TOKENS[0]}; --gpu: {DEFAULT_TOKENS[1]})")
   p.add_argument("--engines", default=None, help="comma list of Stage1Config engines "
-                 f"(default: {DEFAULT_ENGINES[0]}; --gpu: {DEFAULT_ENGINES[1]})")
-  p.add_argument("--devices", type=int, default=8, help="ranks (virtual CPU devices; not --gpu)")
+                 f"(default: {DEFAULT_ENGINES[0]}; --gpu: {DEFAULT_ENGINES[1]}; multi-process: "
+                 f"{MULTI_PROCESS_ENGINES})")
+  p.add_argument("--devices", type=int, default=None,
+                 help=f"ranks (virtual CPU devices; not --gpu) (default: {DEFAULT_DEVICES}; "
+                      "multi-process: every device of every process, one per process)")
   p.add_argument("--iters", type=int, default=20, help="timed calls per measurement")
   p.add_argument("--warmup", type=int, default=3, help="untimed calls before timing")
   p.add_argument("--row-align", type=int, default=128, help="Stage1Config.row_align")
@@ -78,20 +96,44 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--out", default="bench/results", help="folder for the JSON and PNG")
   p.add_argument("--tag", default=None,
                  help="output file name (default: 'cpu'; --gpu: 'gpu', or 'gpu-cpu' with "
-                      "--platform cpu)")
+                      "--platform cpu; multi-process: '<platform>-mpi<processes>' under mpirun, "
+                      "'<platform>-mp<processes>' with --coordinator)")
   p.add_argument("--gpu", action="store_true",
                  help="one device, R = 1, engine local, device-side inputs and ceilings")
   p.add_argument("--platform", default="gpu", choices=("gpu", "cpu"),
                  help="--gpu only: the device to run on (cpu: the same R = 1 code on one CPU "
                       "device, to try the mode without a GPU)")
+  mp = p.add_argument_group(
+      "multi-process", "one rank per process over jax.distributed, without mpirun (under mpirun "
+      "it is detected from Open MPI's environment); give all three, the same --coordinator to "
+      "every process")
+  mp.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                  help="jax.distributed coordinator address (process 0 listens there)")
+  mp.add_argument("--num-processes", type=int, default=None)
+  mp.add_argument("--process-id", type=int, default=None)
   return p
+
+
+def launch_mode(args) -> str:
+  """'mpirun' (Open MPI's environment with more than one process), 'explicit' (--coordinator,
+  --num-processes, --process-id) or 'single' (one process: `mpirun -n 1` too)."""
+  explicit = (args.coordinator, args.num_processes, args.process_id)
+  if any(a is not None for a in explicit):
+    if any(a is None for a in explicit):
+      raise SystemExit("--coordinator, --num-processes and --process-id go together")
+    return "explicit"
+  if int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+    return "mpirun"
+  return "single"
 
 
 def configure_platform(args) -> None:
   """What must happen before jax is imported. CPU mode: the number of virtual devices (--gpu needs
-  one device, which every backend has)."""
-  if not args.gpu:
-    force_host_devices(args.devices)
+  one device, which every backend has); multi-process: one CPU device per process."""
+  if launch_mode(args) != "single":
+    force_host_devices(1)
+  elif not args.gpu:
+    force_host_devices(args.devices or DEFAULT_DEVICES)
 
 
 def force_host_devices(n: int) -> None:
@@ -114,6 +156,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_sdma_moe as jsm  # noqa: E402
@@ -127,9 +170,15 @@ REL_TOL = 4e-3      # DESIGN.md §3: ||out - ref|| / ||ref|| per expert block
 MAX_ABS_TOL = 1e-2  # DESIGN.md §3: max |out - ref| <= MAX_ABS_TOL * max |ref|
 W1_SCALE = 0.05     # w1 ~ N(0, 1) * W1_SCALE; x ~ N(0, 1)
 RANDOM_EXPERTS = 4  # --gpu check: random non-empty experts checked besides first, last, largest
+
+
+class PeerFailure(RuntimeError):
+  """Multi-process: another process's path failed at run time."""
+
+
 # a path that fails at run time is reported as failed and the run goes on (a wrong result is a
 # CheckError and ends it)
-RUN_FAILURES = (jax.errors.JaxRuntimeError, MemoryError)
+RUN_FAILURES = (jax.errors.JaxRuntimeError, MemoryError, PeerFailure)
 NOTES = (
     "ms: median wall time of one call of the whole SPMD program (= max over ranks); JSON has "
     "min and p90.",
@@ -153,6 +202,13 @@ NOTES = (
     "JAX-native paths run on bf16 copies of the dequantised MX-fp8 inputs (exact in bf16), so they "
     "are checked against the same reference at the DESIGN §3 tolerance.",
 )
+MULTI_PROCESS_NOTE = (
+    "{processes} processes ({launch}), one rank each: every process times every call, and a "
+    "call's time is the max over processes (= over ranks) before the median over calls; every "
+    "process checks its own ranks against the full reference (made from the same seed on every "
+    "process), and a failure on any fails all. native:jnp-reference runs on every process's own "
+    "device (the max over processes). Ceilings: process 0's, measured while every process "
+    "measured its own.")
 SINGLE_DEVICE_NOTES = (
     "One device, R = 1. ms: median wall time of one jitted call until block_until_ready; JSON "
     "has min and p90.",
@@ -591,65 +647,139 @@ def check_padding_zero(what: str, h: np.ndarray, padding: np.ndarray) -> None:
     raise CheckError(f"{what}: padding rows are not 0")
 
 
-def check_engine(out: jsm.Stage1Output, ref: Reference) -> int:
+class Tally(NamedTuple):
+  """A check's row counts on the ranks it checked; check_path sums them over processes (a dropped
+  row is counted at its source, a missing one at its destination)."""
+  dropped: int  # rows the path reports dropped (over capacity; engines: past M_cap, as reference)
+  missing: int  # rows the reference routes to these ranks that the path did not land there
+
+
+def check_engine(out: jsm.Stage1Output, ref: Reference, ranks: Sequence[int]) -> Tally:
   """Layout exactly equal to the reference; h within tolerance per checked (rank, expert) block;
-  padding rows 0."""
+  padding rows 0. out holds the ranks `ranks` along axis 0."""
   lay = ref.layout
   for field in LAYOUT_FIELDS:
-    got, want = np.asarray(getattr(out, field)), np.asarray(getattr(lay, field))
+    got, want = np.asarray(getattr(out, field)), np.asarray(getattr(lay, field))[ranks]
     if got.shape != want.shape or not np.array_equal(got, want):
       bad = np.argwhere(got != want) if got.shape == want.shape else "shape"
+      if not isinstance(bad, str) and len(bad):
+        bad[0][0] = ranks[bad[0][0]]  # the rank, not this process's index of it
       raise CheckError(f"{field} differs from the reference: shapes {got.shape} vs {want.shape}, "
                        f"first differing index {bad[0] if len(bad) else bad}")
   h = np.asarray(out.h)
+  row_of = {r: i for i, r in enumerate(ranks)}
   for (r, e), want in ref.h32.items():
-    start = lay.expert_offsets[r, e]
-    assert_close(f"h of rank {r} expert {e}", h[r, start:start + len(want)].astype(np.float32),
-                 want)
-  for r in range(h.shape[0]):
-    check_padding_zero(f"h of rank {r}", h[r], lay.src_rank[r] < 0)
-  return int(np.sum(lay.overflow))
+    if r in row_of:
+      start = lay.expert_offsets[r, e]
+      assert_close(f"h of rank {r} expert {e}",
+                   h[row_of[r], start:start + len(want)].astype(np.float32), want)
+  for i, r in enumerate(ranks):
+    check_padding_zero(f"h of rank {r}", h[i], lay.src_rank[r] < 0)
+  overflow = int(np.sum(lay.overflow[ranks]))  # rows that did not land (engine and reference)
+  return Tally(overflow, overflow)
 
 
-def check_native(out: NativeOut, ref: Reference, *, tokens: int, topk: int) -> int:
-  """Every row a native path produced is a row the reference routes to that rank (no duplicates),
-  the rows of each checked reference block match it, and all reference rows are there except
-  those the path reports dropped."""
+def check_native(out: NativeOut, ref: Reference, ranks: Sequence[int], *, tokens: int,
+                 topk: int) -> Tally:
+  """Every row a native path produced is a row the reference routes to that rank (no duplicates)
+  and the rows of each checked reference block match it. check_path checks that every reference
+  row is there except those the path reports dropped. out holds the ranks `ranks` along axis 0."""
   lay = ref.layout
   R, T, K = lay.num_rows.shape[0], tokens, topk
-  dropped = int(np.sum(out.dropped))
   h = np.asarray(out.h)
 
   def key(src, tok, slot):  # one integer per (source rank, token, slot)
     return (src.astype(np.int64) * T + tok) * K + slot
 
   got_rows = 0
-  for d in range(R):
+  for i, d in enumerate(ranks):
     ref_row_of = np.full(R * T * K, -1, np.int64)
     present = np.nonzero(lay.src_rank[d] >= 0)[0]
     ref_row_of[key(lay.src_rank[d][present], lay.src_token[d][present],
                    lay.topk_slot[d][present])] = present
-    mine = np.nonzero(out.src_rank[d] >= 0)[0]
-    ref_rows = ref_row_of[key(out.src_rank[d][mine], out.src_token[d][mine],
-                              out.topk_slot[d][mine])]
+    mine = np.nonzero(out.src_rank[i] >= 0)[0]
+    ref_rows = ref_row_of[key(out.src_rank[i][mine], out.src_token[i][mine],
+                              out.topk_slot[i][mine])]
     if np.any(ref_rows < 0) or len(np.unique(ref_rows)) != len(ref_rows):
       raise CheckError(f"rank {d} holds rows the reference does not route to it, or duplicates")
-    check_padding_zero(f"h of rank {d}", h[d], out.src_rank[d] < 0)
+    check_padding_zero(f"h of rank {d}", h[i], out.src_rank[i] < 0)
     for (r, e), want in ref.h32.items():
       if r != d:
         continue
       start = lay.expert_offsets[d, e]
       sel = (ref_rows >= start) & (ref_rows < start + len(want))  # the rows of block e it kept
-      assert_close(f"h of rank {d} expert {e}", h[d][mine[sel]].astype(np.float32),
+      assert_close(f"h of rank {d} expert {e}", h[i][mine[sel]].astype(np.float32),
                    want[ref_rows[sel] - start])
     got_rows += len(mine)
-  if got_rows + dropped != int(np.sum(lay.num_rows)):
-    raise CheckError(f"{got_rows} rows + {dropped} dropped != {int(np.sum(lay.num_rows))} routed")
-  return dropped
+  return Tally(int(np.sum(out.dropped)), int(np.sum(lay.num_rows[ranks])) - got_rows)
 
 
 def to_host(tree):
   return jax.tree.map(np.asarray, tree)
+
+
+def local_ranks(tree) -> tuple:
+  """(the ranks this process holds, their host data) of arrays stacked [R, ...] over the ranks:
+  one process holds every rank (the data is np.asarray of the whole array); under jax.distributed
+  each process holds its own, [len(ranks), ...]."""
+  first = jax.tree.leaves(tree)[0]
+  if first.is_fully_addressable:
+    return list(range(first.shape[0])), to_host(tree)
+
+  def shards(a):
+    return sorted(a.addressable_shards, key=lambda s: s.index[0].indices(a.shape[0])[0])
+
+  ranks = [r for s in shards(first) for r in range(*s.index[0].indices(first.shape[0]))]
+  return ranks, jax.tree.map(lambda a: np.concatenate([np.asarray(s.data) for s in shards(a)]),
+                             tree)
+
+
+# ------------------------------------------------------------------------------------------------
+# Across processes (jax.distributed; each helper is a no-op in a single-process run). Every process
+# runs the same calls in the same order, so the collectives below pair up.
+
+
+def all_processes(values) -> np.ndarray:
+  """A small array (the same shape on every process) from every process, stacked [P, ...]."""
+  values = np.atleast_1d(np.asarray(values))
+  if jax.process_count() == 1:
+    return values[None]
+  return np.asarray(multihost_utils.process_allgather(values))
+
+
+def slowest(seconds: float) -> float:
+  """The max over processes of a time each process measured."""
+  return float(all_processes(seconds).max())
+
+
+MESSAGE_BYTES = 2000  # of a failing process's error, sent to the others
+
+
+@contextlib.contextmanager
+def same_outcome():
+  """Runs a block of checks on every process; if it raises a CheckError or a run failure on any
+  process, it raises on every process: its own error, or that of the first process that failed
+  (a run failure there as PeerFailure). A single process just raises its error."""
+  error = None
+  try:
+    yield
+  except (CheckError, *RUN_FAILURES) as e:
+    if jax.process_count() == 1:
+      raise
+    error = e
+  if jax.process_count() == 1:
+    return
+  code = 0 if error is None else 1 if isinstance(error, CheckError) else 2
+  text = str(error or "").encode()[:MESSAGE_BYTES].ljust(MESSAGE_BYTES, b"\0")
+  outcomes = all_processes(np.concatenate([[code], np.frombuffer(text, np.uint8)]).astype(np.int32))
+  if error is not None:
+    raise error
+  failed = np.flatnonzero(outcomes[:, 0])
+  if len(failed):
+    p = int(failed[0])
+    message = f"process {p}: " + bytes(outcomes[p, 1:].astype(np.uint8)).rstrip(b"\0").decode(
+        errors="replace")
+    raise (CheckError if outcomes[p, 0] == 1 else PeerFailure)(message)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -664,7 +794,7 @@ def time_calls(fn: Callable, args: tuple, iters: int, warmup: int) -> dict:
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - t0)
-  ms = np.asarray(times) * 1e3
+  ms = all_processes(times).max(0) * 1e3  # per call, the slowest process
   return {"median_ms": float(np.median(ms)), "min_ms": float(ms.min()),
           "p90_ms": float(np.percentile(ms, 90))}
 
@@ -687,21 +817,28 @@ class Checked(NamedTuple):
 
 def check_path(path: BenchPath, ref: Reference) -> Checked:
   """Runs the full path once and checks it; runs the stage chain once and checks it does the same
-  work (same h bytes), keeping each stage's input so that stage can be timed alone."""
-  out, first_s = first_call(path.full, path.inputs, path.w)
-  out = to_host(out)
-  try:
-    dropped = path.check(out, ref)
-  except CheckError as e:
-    raise CheckError(f"{path.name}: output does not match jax_sdma_moe.reference: {e}") from None
-  carry, stage_inputs = path.inputs, []
-  for stage in path.stages:
-    stage_inputs.append(carry)
-    carry = jax.block_until_ready(stage(carry, path.w))
-  chain_h = np.asarray(carry.h if isinstance(carry, NativeOut) else carry)
-  if chain_h.tobytes() != out.h.tobytes():
-    raise CheckError(f"{path.name}: the three stages run apart give a different h than the full "
-                     "path, so their times would not add up to the same work")
+  work (same h bytes), keeping each stage's input so that stage can be timed alone. Each process
+  checks the ranks it holds; the outcome is the same on every process."""
+  prefix = f"{path.name}: output does not match jax_sdma_moe.reference: "
+  with same_outcome():
+    out, first_s = first_call(path.full, path.inputs, path.w)
+    carry, stage_inputs = path.inputs, []
+    for stage in path.stages:
+      stage_inputs.append(carry)
+      carry = jax.block_until_ready(stage(carry, path.w))
+    ranks, out = local_ranks(out)
+    try:
+      tally = path.check(out, ref, ranks)
+    except CheckError as e:
+      raise CheckError(prefix + str(e)) from None
+    _, chain_h = local_ranks(carry.h if isinstance(carry, NativeOut) else carry)
+    if chain_h.tobytes() != out.h.tobytes():
+      raise CheckError(f"{path.name}: the three stages run apart give a different h than the "
+                       "full path, so their times would not add up to the same work")
+  dropped, missing = (int(n) for n in all_processes(tally).sum(0))
+  if missing != dropped:
+    routed = int(np.sum(ref.layout.num_rows))
+    raise CheckError(f"{prefix}{routed - missing} rows + {dropped} dropped != {routed} routed")
   return Checked(path, out.h, dropped, first_s, stage_inputs)
 
 
@@ -710,7 +847,7 @@ def time_path(c: Checked, iters: int, warmup: int) -> dict:
   row = {"path": path.name, "kind": path.kind, "baseline": path.baseline, "dropped": c.dropped,
          "capacity": path.capacity,
          "stage1": {**time_calls(path.full, (path.inputs, path.w), iters, warmup),
-                    "first_call_s": c.first_call_s}, "stages": {}}
+                    "first_call_s": slowest(c.first_call_s)}, "stages": {}}
   for name, stage, inp in zip(STAGES, path.stages, c.stage_inputs):
     row["stages"][name] = time_calls(stage, (inp, path.w), iters, warmup)
   return row
@@ -764,10 +901,11 @@ def check_and_time(args, paths: Sequence[BenchPath], ref: Reference, shape: jsm.
       rows.append(failed_row(path, e))
       progress(f"{tag} {path.name}: FAILED: {rows[-1]['failed']}")
   engines_checked = [c for c in checked if c.path.kind == "engine"]
-  for c in engines_checked[1:]:
-    if c.h.tobytes() != engines_checked[0].h.tobytes():
-      raise CheckError(f"{tag} {c.path.name} and {engines_checked[0].path.name} give different "
-                       "h bytes (DESIGN §3: engines sharing a GEMM kernel are byte-identical)")
+  with same_outcome():
+    for c in engines_checked[1:]:
+      if c.h.tobytes() != engines_checked[0].h.tobytes():
+        raise CheckError(f"{tag} {c.path.name} and {engines_checked[0].path.name} give different "
+                         "h bytes (DESIGN §3: engines sharing a GEMM kernel are byte-identical)")
   for c in checked:
     progress(f"{tag} {c.path.name}: timing")
     try:
@@ -799,7 +937,8 @@ def finish_rows(rows: list, shape: jsm.MoEShape, T: int, R: int, cap: int, rows_
 
 
 def progress(msg: str) -> None:
-  print(msg, file=sys.stderr, flush=True)
+  if jax.process_index() == 0:  # multi-process: process 0 speaks for all
+    print(msg, file=sys.stderr, flush=True)
 
 
 def make_engine_paths(args, mesh, shape: jsm.MoEShape, cap: int, inputs, w1q,
@@ -846,7 +985,7 @@ def bench_config(args, mesh, shape: jsm.MoEShape, T: int, engines: Sequence[str]
   # the reference (one device): the check target, and a JAX-native baseline timed below
   ref_fn = functools.partial(reference.stage1, row_align=args.row_align, cap=cap,
                              swiglu_limit=shape.swiglu_limit)
-  ref_args = jax.device_put((host.x, host.ids, host.weights, w1q), jax.devices()[0])
+  ref_args = jax.device_put((host.x, host.ids, host.weights, w1q), jax.local_devices()[0])
   (ref, h32), _ = first_call(jax.jit(functools.partial(ref_fn, return_f32=True)), *ref_args)
   ref = full_reference(to_host(ref), np.asarray(h32))
   rows_total = int(ref.layout.num_rows.sum())
@@ -866,7 +1005,7 @@ def bench_config(args, mesh, shape: jsm.MoEShape, T: int, engines: Sequence[str]
   ref_row = {"path": "native:jnp-reference(1 dev)", "kind": "native", "baseline": None,
              "dropped": 0, "capacity": None, "stages": {},
              "stage1": {**time_calls(ref_jit, ref_args, args.iters, args.warmup),
-                        "first_call_s": first_s}}
+                        "first_call_s": slowest(first_s)}}
   add_rates(ref_row, rows_total, R * T, None, "f32", shape, ceilings)
   rows.append(ref_row)
   jax.clear_caches()
@@ -930,7 +1069,7 @@ def render_table(cols: Sequence[tuple], rows: Sequence[Sequence], left: int) -> 
   return lines
 
 
-def format_table(rows: Sequence[dict], ceilings: dict) -> str:
+def format_table(rows: Sequence[dict], ceilings: dict, notes: Sequence[str] = NOTES) -> str:
   cols = [("shape", 6, "{}"), ("T", 5, "{}"), ("path", 28, "{}"), ("stage1 ms", 9, "{:.2f}"),
           ("rt+qpack", 8, "{:.2f}"), ("disp ms", 8, "{:.2f}"), ("GB/s", 6, "{:.2f}"),
           ("%bw", 5, "{:.0%}"), ("gemm1 ms", 8, "{:.2f}"), ("GFLOP/s", 7, "{:.1f}"),
@@ -957,7 +1096,7 @@ def format_table(rows: Sequence[dict], ceilings: dict) -> str:
   mm = ceilings["matmul_gflops"]
   lines.append(f"ceilings: memcpy {ceilings['copy_gbps']:.1f} GB/s, matmul f32 {mm['f32']:.0f} / "
                f"bf16 {mm['bf16']:.0f} GFLOP/s ({ceilings['how']})")
-  lines += [f"- {n}" for n in NOTES]
+  lines += [f"- {n}" for n in notes]
   return "\n".join(lines)
 
 
@@ -1065,7 +1204,7 @@ def write_plot(rows: Sequence[dict], path: Path, dense: Optional[Sequence[dict]]
   return None
 
 
-def metadata(args, engines, devices) -> dict:
+def metadata(args, engines, devices, launch: str = "single") -> dict:
   cpu_model = platform.processor()
   if not cpu_model and os.path.exists("/proc/cpuinfo"):
     with open("/proc/cpuinfo") as f:
@@ -1078,23 +1217,29 @@ def metadata(args, engines, devices) -> dict:
           "machine": cpu_model or platform.machine(), "nproc": os.cpu_count(),
           "platform": devices[0].platform, "devices": len(devices),
           "device_kind": devices[0].device_kind, "engines": list(engines),
+          "launch": launch, "processes": jax.process_count(),
           "args": vars(args), "argv": sys.argv}
 
 
 class Report:
   """The JSON (rewritten after every configuration, so an interrupted run keeps what it has) and,
-  at the end, the PNG, under --out."""
+  at the end, the PNG, under --out. Multi-process: process 0 writes them, the others nothing."""
 
   def __init__(self, args, stem: str, meta: dict, ceilings: dict, notes: Sequence[str]):
     self.dir = Path(args.out)
-    self.dir.mkdir(parents=True, exist_ok=True)
+    self.writes = jax.process_index() == 0
+    if self.writes:
+      self.dir.mkdir(parents=True, exist_ok=True)
     self.json, self.png = self.dir / f"{stem}.json", self.dir / f"{stem}.png"
     self.head = {"meta": meta, "ceilings": ceilings, "notes": list(notes)}
 
   def write_json(self, rows: Sequence[dict]) -> None:
-    self.json.write_text(json.dumps({**self.head, "results": list(rows)}, indent=1) + "\n")
+    if self.writes:
+      self.json.write_text(json.dumps({**self.head, "results": list(rows)}, indent=1) + "\n")
 
   def finish(self, rows: Sequence[dict], dense=None) -> None:
+    if not self.writes:
+      return
     self.write_json(rows)
     print(f"wrote {self.json}")
     note = write_plot(rows, self.png, dense)
@@ -1105,42 +1250,75 @@ def parse_list(text: Optional[str], default: str) -> list:
   return [s for s in (text or default).split(",") if s]
 
 
+def start_processes(args, launch: str) -> None:
+  """Multi-process: joins the other processes (jax.distributed; Open MPI's environment is detected
+  by jax itself) with gloo for the CPU collectives. Must run before jax starts a backend."""
+  if launch == "single":
+    return
+  if args.gpu:
+    raise SystemExit("--gpu is the one-device mode (R = 1); in a multi-process run leave it out: "
+                     "the ranks are then every process's device (one GPU each under mpirun)")
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  if launch == "explicit":
+    jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
+                               process_id=args.process_id)
+  else:
+    jax.distributed.initialize()
+
+
 def main(args) -> None:
+  launch = launch_mode(args)
   mode = int(args.gpu)  # index into the DEFAULT_* pairs
   shapes = parse_list(args.shapes, DEFAULT_SHAPES[mode])
   unknown = [s for s in shapes if s not in jsm.SHAPES]
   if unknown:
     raise SystemExit(f"unknown shape(s) {unknown}; known: {sorted(jsm.SHAPES)}")
   tokens = [int(t) for t in parse_list(args.tokens, DEFAULT_TOKENS[mode])]
-  engines = parse_list(args.engines, DEFAULT_ENGINES[mode])
+  engines = parse_list(args.engines,
+                       DEFAULT_ENGINES[mode] if launch == "single" else MULTI_PROCESS_ENGINES)
   skipped_natives(args)  # reject unknown names before anything runs
+  start_processes(args, launch)
   try:
-    rows = (main_single_device if args.gpu else main_host_devices)(args, shapes, tokens, engines)
+    rows = (main_single_device(args, shapes, tokens, engines) if args.gpu else
+            main_host_devices(args, shapes, tokens, engines, launch))
   except CheckError as e:
     raise SystemExit(f"CHECK FAILED (aborted before timing it; results so far in --out): {e}")
   if any("failed" in r for r in rows if r["kind"] == "engine"):
     raise SystemExit("an engine path failed at run time (see the table)")
 
 
-def main_host_devices(args, shapes, tokens, engines) -> list:
-  """R ranks on virtual CPU devices."""
-  if len(jax.devices()) < args.devices:
-    raise SystemExit(f"{args.devices} devices requested, jax sees {len(jax.devices())}: set "
-                     f"XLA_FLAGS=--xla_force_host_platform_device_count={args.devices} before "
-                     "jax is imported (running bench/run.py as a script does)")
-  devices = jax.devices()[:args.devices]
-  mesh = jax.make_mesh((args.devices,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,),
+def main_host_devices(args, shapes, tokens, engines, launch: str = "single") -> list:
+  """R ranks: the virtual CPU devices of this process, or (multi-process) every device of every
+  process."""
+  if launch == "single":
+    R = args.devices or DEFAULT_DEVICES
+    if len(jax.devices()) < R:
+      raise SystemExit(f"{R} devices requested, jax sees {len(jax.devices())}: set "
+                       f"XLA_FLAGS=--xla_force_host_platform_device_count={R} before "
+                       "jax is imported (running bench/run.py as a script does)")
+  else:
+    R = jax.device_count()
+    if args.devices not in (None, R):
+      raise SystemExit(f"--devices {args.devices}: a multi-process run has one rank per device of "
+                       f"every process, {R} here")
+  devices = jax.devices()[:R]
+  mesh = jax.make_mesh((R,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,),
                        devices=devices)
   progress("measuring ceilings")
   ceilings = measure_ceilings()
-  report = Report(args, args.tag or "cpu", metadata(args, engines, devices), ceilings, NOTES)
+  notes, tag = NOTES, "cpu"
+  if launch != "single":
+    notes += (MULTI_PROCESS_NOTE.format(processes=jax.process_count(), launch=launch),)
+    tag = f"{devices[0].platform}-{'mpi' if launch == 'mpirun' else 'mp'}{jax.process_count()}"
+  report = Report(args, args.tag or tag, metadata(args, engines, devices, launch), ceilings, notes)
   rng = np.random.default_rng(args.seed)
   rows = []
   for name in shapes:
     for T in tokens:
       rows += bench_config(args, mesh, jsm.SHAPES[name], T, engines, ceilings, rng)
       report.write_json(rows)
-  print(format_table(rows, ceilings))
+  if jax.process_index() == 0:
+    print(format_table(rows, ceilings, notes))
   report.finish(rows)
   return rows
 

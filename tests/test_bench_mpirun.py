@@ -1,0 +1,52 @@
+"""bench/run.py multi-process at a tiny size: 2 processes started with --coordinator,
+--num-processes, --process-id (the mode `mpirun -n 2` runs, without Open MPI), one CPU rank each."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import _util  # noqa: F401
+
+from absl.testing import absltest
+
+from test_multiprocess import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class BenchMultiProcessTest(absltest.TestCase):
+
+  def test_two_processes(self):
+    n, port = 2, free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    with tempfile.TemporaryDirectory() as out:
+      procs = [subprocess.Popen(
+          [sys.executable, os.path.join(ROOT, "bench", "run.py"), "--coordinator",
+           f"localhost:{port}", "--num-processes", str(n), "--process-id", str(i), "--tokens", "16",
+           "--iters", "2", "--warmup", "1", "--out", out], cwd=ROOT, env=env,
+          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)]
+      outs = []
+      for p in procs:
+        try:
+          outs.append(p.communicate(timeout=180))
+        except subprocess.TimeoutExpired:
+          for q in procs:
+            q.kill()
+          self.fail("multi-process bench timed out")
+      for i, (p, (stdout, stderr)) in enumerate(zip(procs, outs)):
+        self.assertEqual(p.returncode, 0,
+                         f"process {i} failed:\n{stdout[-2000:]}\n{stderr[-3000:]}")
+      self.assertIn("engine:xla", outs[0][0])        # process 0 prints the table
+      self.assertNotIn("engine:xla", outs[1][0])     # the others do not
+      with open(os.path.join(out, f"cpu-mp{n}.json")) as f:
+        result = json.load(f)
+      self.assertEqual((result["meta"]["launch"], result["meta"]["processes"]), ("explicit", n))
+      self.assertEqual(result["meta"]["devices"], n)
+      paths = {r["path"] for r in result["results"] if "failed" not in r}
+      self.assertIn("engine:xla", paths)
+      self.assertIn("native:a2a+einsum(cf=1.25)", paths)
+
+
+if __name__ == "__main__":
+  absltest.main()
