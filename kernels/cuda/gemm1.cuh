@@ -104,6 +104,46 @@ __device__ __forceinline__ float swiglu(float g, float u, bool has_limit, float 
   return g / (1.0f + expf(-g)) * u;
 }
 
+// One row's 32-column MX block of h, this thread's 8 values v[n][c] at columns n * 8 + tig * 2 + c:
+// bf16 stores, or MX-fp8 with the block maximum reduced over the quad (all 4 lanes must call).
+__device__ __forceinline__ void store_block(const Gemm1Args& g, int64_t row, int64_t col0,
+                                            bool valid, const float (&v)[4][2], int tig) {
+  if (g.h_bf16) {
+    if (!valid) return;
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      const uint32_t packed = uint32_t(f32_to_bf16(v[n][0])) | uint32_t(f32_to_bf16(v[n][1])) << 16;
+      *reinterpret_cast<uint32_t*>(g.h_bf16 + row * g.I + col0 + n * 8 + tig * 2) = packed;
+    }
+    return;
+  }
+  float amax = 0.0f;
+  bool finite = true;
+#pragma unroll
+  for (int n = 0; n < 4; ++n)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      amax = fmaxf(amax, fabsf(v[n][c]));
+      finite &= isfinite(v[n][c]);
+    }
+#pragma unroll
+  for (int o = 1; o <= 2; o <<= 1) {
+    amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+    finite = __shfl_xor_sync(0xFFFFFFFFu, int(finite), o) && finite;
+  }
+  if (!valid) return;
+  const uint32_t e = finite ? e8m0_for_amax(amax) : kScaleNaN;
+  const float mul = quant_multiplier(e);
+#pragma unroll
+  for (int n = 0; n < 4; ++n) {
+    const uint8_t y0 = finite ? f32_to_e4m3fn(v[n][0] * mul) : kValueNaN;
+    const uint8_t y1 = finite ? f32_to_e4m3fn(v[n][1] * mul) : kValueNaN;
+    *reinterpret_cast<uint16_t*>(g.h_values + row * g.I + col0 + n * 8 + tig * 2) =
+        uint16_t(y0 | (y1 << 8));
+  }
+  if (tig == 0) g.h_scales[row * (g.I / kBlock) + col0 / kBlock] = uint8_t(e);
+}
+
 struct Tile {
   int e;
   int64_t row0;  // first landed row of the tile
@@ -300,42 +340,12 @@ __global__ void __launch_bounds__(THREADS, 1) gemm1_kernel(const Gemm1Args g) {
         const bool valid = cols_valid && rloc < t.rows;
         const int64_t row = t.row0 + rloc;
         float v[4][2];
-        float amax = 0.0f;
-        bool finite = true;
 #pragma unroll
         for (int n = 0; n < 4; ++n)
 #pragma unroll
-          for (int c = 0; c < 2; ++c) {
+          for (int c = 0; c < 2; ++c)
             v[n][c] = swiglu(acc[m][n][2 * h + c], acc[m][n + 4][2 * h + c], g.has_limit, g.limit);
-            amax = fmaxf(amax, fabsf(v[n][c]));
-            finite &= isfinite(v[n][c]);
-          }
-        if (g.h_bf16) {
-          if (!valid) continue;
-#pragma unroll
-          for (int n = 0; n < 4; ++n) {
-            const uint32_t packed = uint32_t(f32_to_bf16(v[n][0])) | uint32_t(f32_to_bf16(v[n][1])) << 16;
-            *reinterpret_cast<uint32_t*>(g.h_bf16 + row * g.I + col0 + n * 8 + tig * 2) = packed;
-          }
-          continue;
-        }
-        // MX-fp8 output: the 32 columns of this row are the quad's 4 lanes x 8 values
-#pragma unroll
-        for (int o = 1; o <= 2; o <<= 1) {
-          amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-          finite = __shfl_xor_sync(0xFFFFFFFFu, int(finite), o) && finite;
-        }
-        if (!valid) continue;
-        const uint32_t e = finite ? e8m0_for_amax(amax) : kScaleNaN;
-        const float mul = quant_multiplier(e);
-#pragma unroll
-        for (int n = 0; n < 4; ++n) {
-          const uint8_t y0 = finite ? f32_to_e4m3fn(v[n][0] * mul) : kValueNaN;
-          const uint8_t y1 = finite ? f32_to_e4m3fn(v[n][1] * mul) : kValueNaN;
-          *reinterpret_cast<uint16_t*>(g.h_values + row * g.I + col0 + n * 8 + tig * 2) =
-              uint16_t(y0 | (y1 << 8));
-        }
-        if (tig == 0) g.h_scales[row * (g.I / kBlock) + col0 / kBlock] = uint8_t(e);
+        store_block(g, row, col0, valid, v, tig);
       }
   }
 }

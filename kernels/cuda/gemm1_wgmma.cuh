@@ -160,8 +160,6 @@ __global__ void __launch_bounds__(THREADS, 1) gemm1_kernel(const Gemm1Args g) {
         const int64_t col0 = t.n0 + blk * 32;
         const bool valid = row_valid && col0 < g.I;
         float v[4][2];
-        float amax = 0.0f;
-        bool finite = true;
 #pragma unroll
         for (int n = 0; n < 4; ++n)
 #pragma unroll
@@ -169,35 +167,8 @@ __global__ void __launch_bounds__(THREADS, 1) gemm1_kernel(const Gemm1Args g) {
             const int j = blk * 4 + n;
             v[n][c] = swiglu(acc[j * 4 + 2 * h + c], acc[(j + 8) * 4 + 2 * h + c], g.has_limit,
                              g.limit);
-            amax = fmaxf(amax, fabsf(v[n][c]));
-            finite &= isfinite(v[n][c]);
           }
-        if (g.h_bf16) {
-          if (!valid) continue;
-#pragma unroll
-          for (int n = 0; n < 4; ++n) {
-            const uint32_t packed =
-                uint32_t(f32_to_bf16(v[n][0])) | uint32_t(f32_to_bf16(v[n][1])) << 16;
-            *reinterpret_cast<uint32_t*>(g.h_bf16 + row * g.I + col0 + n * 8 + tig * 2) = packed;
-          }
-          continue;
-        }
-#pragma unroll
-        for (int o = 1; o <= 2; o <<= 1) {
-          amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-          finite = __shfl_xor_sync(0xFFFFFFFFu, int(finite), o) && finite;
-        }
-        if (!valid) continue;
-        const uint32_t e = finite ? e8m0_for_amax(amax) : kScaleNaN;
-        const float mul = quant_multiplier(e);
-#pragma unroll
-        for (int n = 0; n < 4; ++n) {
-          const uint8_t y0 = finite ? f32_to_e4m3fn(v[n][0] * mul) : kValueNaN;
-          const uint8_t y1 = finite ? f32_to_e4m3fn(v[n][1] * mul) : kValueNaN;
-          *reinterpret_cast<uint16_t*>(g.h_values + row * g.I + col0 + n * 8 + tig * 2) =
-              uint16_t(y0 | (y1 << 8));
-        }
-        if (tig == 0) g.h_scales[row * (g.I / kBlock) + col0 / kBlock] = uint8_t(e);
+        store_block(g, row, col0, valid, v, tig);
       }
     }
   }
