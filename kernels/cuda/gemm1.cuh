@@ -151,6 +151,44 @@ struct Tile {
   int64_t n0;    // first output column
 };
 
+// Work items (expert, row tile, column tile) numbered from the device-side expert counts: one
+// launch covers every expert with no host round trip. (Here "start when the expert's rows have
+// landed" will be added for the multi-GPU engines.)
+struct TileScheduler {
+  int32_t tile_start[kMaxExperts + 1];
+
+  static __device__ __forceinline__ int n_tiles(const Gemm1Args& g) { return int((g.I + BN - 1) / BN); }
+
+  __device__ __forceinline__ void init(const Gemm1Args& g) {
+    if (threadIdx.x == 0) {
+      int32_t run = 0;
+      for (int e = 0; e < g.EL; ++e) {
+        tile_start[e] = run;
+        run += (g.counts[e] + BM - 1) / BM * n_tiles(g);
+      }
+      tile_start[g.EL] = run;
+    }
+    __syncthreads();
+  }
+
+  __device__ __forceinline__ int total(const Gemm1Args& g) const { return tile_start[g.EL]; }
+
+  __device__ __forceinline__ Tile tile(const Gemm1Args& g, int w) const {
+    int lo = 0, hi = g.EL - 1;  // last expert whose first tile is <= w
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (tile_start[mid] <= w) lo = mid; else hi = mid - 1;
+    }
+    const int local = w - tile_start[lo], mt = local / n_tiles(g);
+    Tile t;
+    t.e = lo;
+    t.row0 = g.offsets[lo] + int64_t(mt) * BM;
+    t.rows = min(BM, g.counts[lo] - mt * BM);
+    t.n0 = int64_t(local % n_tiles(g)) * BN;
+    return t;
+  }
+};
+
 // Issues the cp.async copies of stage `ks` of a tile and loads its scale bytes into registers
 // (stored to shared memory later, so their latency overlaps the MMAs).
 template <class C>
@@ -225,18 +263,9 @@ __global__ void __launch_bounds__(THREADS, 1) gemm1_kernel(const Gemm1Args g) {
   using Stage = typename C::Stage;
   extern __shared__ __align__(128) uint8_t smem_raw[];
   Stage* stages = reinterpret_cast<Stage*>(smem_raw);
-  __shared__ int32_t tile_start[kMaxExperts + 1];
-  const int n_tiles = int((g.I + BN - 1) / BN);
-  if (threadIdx.x == 0) {
-    int32_t run = 0;
-    for (int e = 0; e < g.EL; ++e) {
-      tile_start[e] = run;
-      run += (g.counts[e] + BM - 1) / BM * n_tiles;
-    }
-    tile_start[g.EL] = run;
-  }
-  __syncthreads();
-  const int total = tile_start[g.EL];
+  __shared__ TileScheduler sched;
+  sched.init(g);
+  const int total = sched.total(g);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wm = warp & 3, wn = warp >> 2;  // 4 x 2 warps
   const int grp = lane >> 2, tig = lane & 3;
@@ -244,18 +273,7 @@ __global__ void __launch_bounds__(THREADS, 1) gemm1_kernel(const Gemm1Args g) {
   const int num_k = int((HS + KB - 1) / KB);
 
   for (int w = blockIdx.x; w < total; w += gridDim.x) {
-    int lo = 0, hi = g.EL - 1;  // last expert whose first tile is <= w
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (tile_start[mid] <= w) lo = mid; else hi = mid - 1;
-    }
-    const int local = w - tile_start[lo];
-    Tile t;
-    t.e = lo;
-    const int mt = local / n_tiles;
-    t.row0 = g.offsets[lo] + int64_t(mt) * BM;
-    t.rows = min(BM, g.counts[lo] - mt * BM);
-    t.n0 = int64_t(local % n_tiles) * BN;
+    const Tile t = sched.tile(g, w);
 
     float acc[2][8][4];
 #pragma unroll

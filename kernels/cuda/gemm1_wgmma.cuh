@@ -66,18 +66,9 @@ __global__ void __launch_bounds__(THREADS, 1) gemm1_kernel(const Gemm1Args g) {
   extern __shared__ uint8_t smem_raw[];
   C::Stage* stages = reinterpret_cast<C::Stage*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + kAlign - 1) & ~uintptr_t(kAlign - 1));
-  __shared__ int32_t tile_start[kMaxExperts + 1];
-  const int n_tiles = int((g.I + BN - 1) / BN);
-  if (threadIdx.x == 0) {
-    int32_t run = 0;
-    for (int e = 0; e < g.EL; ++e) {
-      tile_start[e] = run;
-      run += (g.counts[e] + BM - 1) / BM * n_tiles;
-    }
-    tile_start[g.EL] = run;
-  }
-  __syncthreads();
-  const int total = tile_start[g.EL];
+  __shared__ TileScheduler sched;
+  sched.init(g);
+  const int total = sched.total(g);
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int grp = lane >> 2, tig = lane & 3;
   const int row0 = wg * 64 + warp * 16 + grp;  // this thread's rows: row0, row0 + 8
@@ -85,18 +76,7 @@ __global__ void __launch_bounds__(THREADS, 1) gemm1_kernel(const Gemm1Args g) {
   const int num_k = int((HS + C::KB - 1) / C::KB);
 
   for (int w = blockIdx.x; w < total; w += gridDim.x) {
-    int lo = 0, hi = g.EL - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (tile_start[mid] <= w) lo = mid; else hi = mid - 1;
-    }
-    const int local = w - tile_start[lo];
-    Tile t;
-    t.e = lo;
-    const int mt = local / n_tiles;
-    t.row0 = g.offsets[lo] + int64_t(mt) * BM;
-    t.rows = min(BM, g.counts[lo] - mt * BM);
-    t.n0 = int64_t(local % n_tiles) * BN;
+    const Tile t = sched.tile(g, w);
     const bool active = wg * 64 < t.rows;  // warpgroup-uniform
 
     float acc[64], da[64], db[64];
