@@ -157,7 +157,9 @@ struct Tile {
 struct TileScheduler {
   int32_t tile_start[kMaxExperts + 1];
 
-  static __device__ __forceinline__ int n_tiles(const Gemm1Args& g) { return int((g.I + BN - 1) / BN); }
+  static __device__ __forceinline__ int n_tiles(const Gemm1Args& g) {
+    return int((g.I + BN - 1) / BN);
+  }
 
   __device__ __forceinline__ void init(const Gemm1Args& g) {
     if (threadIdx.x == 0) {
