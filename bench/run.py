@@ -594,12 +594,9 @@ def _expert_h32(values, scales, starts, experts, w1q, *, n: int, swiglu_limit):
   SwiGLU(dequantize(rows) @ dequantize(w1[e]).T) at HIGHEST precision. Rows past a block's end are
   read too (clamped at M_cap) and cut by the caller."""
   idx = jnp.minimum(starts[:, None] + jnp.arange(n), values.shape[1] - 1)
-  a = reference.dequantize(values[0][idx], scales[0][idx])                   # [P, n, H]
-  w = reference.dequantize(w1q.values[0][experts], w1q.scales[0][experts])  # [P, 2I, H]
-  gu = jnp.einsum("pnh,pjh->pnj", a, w, precision=lax.Precision.HIGHEST,
-                  preferred_element_type=jnp.float32)
-  I = w.shape[1] // 2
-  return reference.swiglu(gu[..., :I], gu[..., I:], swiglu_limit)
+  w = jax.tree.map(lambda a: a[0][experts], w1q)                            # [P, 2I, H]
+  return jax.vmap(reference.expert_h32, in_axes=(0, 0, 0, None))(
+      values[0][idx], scales[0][idx], w, swiglu_limit)
 
 
 def sampled_reference(shape: jsm.MoEShape, row_align: int, cap: int, inputs, w1q,

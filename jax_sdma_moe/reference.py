@@ -144,6 +144,18 @@ def swiglu(g: jax.Array, u: jax.Array, limit: Optional[float]) -> jax.Array:
   return g / (1.0 + jnp.exp(-g)) * u
 
 
+def expert_h32(values: jax.Array, scales: jax.Array, w1e: QuantizedW1,
+               swiglu_limit: Optional[float]) -> jax.Array:
+  """float32 h [n, I] of n rows that all belong to one expert with MX-fp8 weights w1e [2I, H]:
+  SwiGLU(deq(rows) @ deq(w1e).T) at full float32 precision (the per-expert form of gemm1_f32, cheap
+  enough to check a sample of experts at any shape)."""
+  a = dequantize(values, scales)
+  w = dequantize(w1e.values, w1e.scales)
+  gu = jnp.matmul(a, w.T, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+  I = w.shape[0] // 2
+  return swiglu(gu[..., :I], gu[..., I:], swiglu_limit)
+
+
 def gemm1_f32(values: jax.Array, scales: jax.Array, expert_offsets: jax.Array,
               expert_counts: jax.Array, w1: QuantizedW1, swiglu_limit: Optional[float]) -> jax.Array:
   """float32 h [M_cap, I] of one rank: SwiGLU(deq(a) @ deq(w1[e]).T) per landed row, 0 elsewhere."""
