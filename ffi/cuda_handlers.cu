@@ -83,12 +83,10 @@ ffi::Error RouteImpl(cudaStream_t stream, S32Mat ids, ffi::Result<S32Mat> send_c
                      ffi::Result<S32Mat> send_pos, ffi::Result<S32Scalar> num_invalid) {
   const int64_t n = ids.element_count();
   const int E = int(send_counts->element_count());
-  // JSM_ROUTE=blocks: the parallel two-launch form (not yet run on a GPU: select it explicitly
-  // until tests/test_cuda.py has passed with it); default: the one-warp form, tested on an H200
-  static const bool blocks = [] {
-    const char* v = getenv("JSM_ROUTE");
-    return v && std::string(v) == "blocks";
-  }();
+  // the parallel two-launch form (tested on an H200, 1.5-2.3x faster); JSM_ROUTE=warp: the
+  // one-warp form
+  const char* route_env = getenv("JSM_ROUTE");  // read per call: benchmarks switch it in-process
+  const bool blocks = !(route_env && std::string(route_env) == "warp");
   if (blocks) {
     jsm::cuda::route_count_kernel<<<E + 1, 256, 0, stream>>>(
         ids.typed_data(), n, E, send_counts->typed_data(), send_pos->typed_data(),
@@ -237,22 +235,22 @@ ffi::Error Gemm1Impl(cudaStream_t stream, ffi::AnyBuffer a_values, ffi::AnyBuffe
                                                   static_cast<uint8_t*>((*h)->untyped_data()), hs,
                                                   scale_bytes);
   JSM_RETURN_IF_ERROR(last_error("gemm1 padding"));
-  static const bool wgmma = [] {
-    const char* v = getenv("JSM_GEMM1");
-    return v && std::string(v) == "wgmma";
-  }();
+  const char* gemm_env = getenv("JSM_GEMM1");  // read per call: benchmarks switch it in-process
+  const std::string gemm_choice = gemm_env ? gemm_env : "";
+  const bool wgmma = gemm_choice.rfind("wgmma", 0) == 0;  // wgmma (4 stages) or wgmma5
   if (g.m_cap > 0 && wgmma) {
-    // experimental v3 (not yet run on a GPU): opt in with JSM_GEMM1=wgmma
+    // the wgmma kernel while it is validated: opt in with JSM_GEMM1=wgmma (or wgmma5: 5 stages)
     namespace v3 = jsm::cuda::gemm1_v3;
-    g.scales_aligned = scales_aligned(g, v3::C::KB);
-    launch_persistent(v3::gemm1_kernel, v3::THREADS, v3::kSmemBytes, g, stream);
+    g.scales_aligned = scales_aligned(g, v3::KB);
+    if (gemm_choice == "wgmma5")
+      launch_persistent(v3::gemm1_kernel<5>, v3::THREADS, v3::smem_bytes(5), g, stream);
+    else
+      launch_persistent(v3::gemm1_kernel<4>, v3::THREADS, v3::smem_bytes(4), g, stream);
   } else if (g.m_cap > 0) {
     // stage depth: JSM_GEMM1_KB=4 (128 B of K per row per stage, the default: measured 5-20%
     // faster on an H200, docs/PERF.md) or 8 (256 B)
-    static const int kb = [] {
-      const char* v = getenv("JSM_GEMM1_KB");
-      return v && atoi(v) == 8 ? 8 : 4;
-    }();
+    const char* kb_env = getenv("JSM_GEMM1_KB");
+    const int kb = kb_env && atoi(kb_env) == 8 ? 8 : 4;
     if (kb == 4)
       launch_gemm1<v1::Cfg<4, 4>>(g, stream);
     else

@@ -95,37 +95,45 @@ def h_float(h):
   return np.asarray(h, np.float32)
 
 
-def check_h(tc, h, expert_offsets, expert_counts, h32_ref, out_dtype):
-  """DESIGN.md §3 tolerance for h [R, M_cap, I], per rank and expert block; padding rows exactly 0.
+def check_block(tc, got, ref32, out_dtype, what):
+  """DESIGN.md §3 tolerance for one expert block of h, got (as float32) against the float32
+  reference. bf16: relative norm <= 4e-3, max <= 1e-2 * max |ref|. mxfp8: the output's error may
+  exceed that of the ideal quantisation of the reference, Q(ref), by the same margins (a value
+  byte flips where float32 accumulation order moves h across a rounding boundary)."""
+  ref32 = np.asarray(ref32, np.float32)
+  tc.assertFalse(np.isnan(got[~np.isnan(ref32)]).any(), f"{what}: NaN")
+  fin = np.isfinite(ref32)
+  g, f = got[fin], ref32[fin]
+  nref = np.linalg.norm(f)
+  if nref == 0:
+    return
+  norm_err, max_err = np.linalg.norm(g - f) / nref, np.max(np.abs(g - f))
+  norm_bound, max_bound = 4e-3, 1e-2 * np.max(np.abs(f))
+  if out_dtype == "mxfp8":
+    ideal = np.asarray(jsm.reference.dequantize(*jsm.reference.quantize(jnp.asarray(ref32))))[fin]
+    norm_bound += np.linalg.norm(ideal - f) / nref
+    max_bound += 2 * np.max(np.abs(ideal - f))
+  tc.assertLessEqual(norm_err, norm_bound, f"{what}: relative norm of the error")
+  tc.assertLessEqual(max_err, max_bound, f"{what}: max error")
 
-  mxfp8 output: compared after dequantisation against the reference quantisation of the float32
-  reference h, with the same tolerance; also >= 99.9% of value bytes identical (a byte may differ
-  only where float32 accumulation order moves h across a rounding boundary)."""
+
+def check_h(tc, h, expert_offsets, expert_counts, h32_ref, out_dtype):
+  """check_block for every rank and expert block of h [R, M_cap, I]; padding rows exactly 0; for
+  mxfp8 output also >= 99.9% of value bytes identical to the reference quantisation."""
   h32_ref = np.asarray(h32_ref)
   got = h_float(h)
   if out_dtype == "mxfp8":
     refq = jsm.reference.quantize(jnp.asarray(h32_ref))
-    ref = np.asarray(jsm.reference.dequantize(*refq))
     same = np.mean(as_bytes(h.values) == as_bytes(refq.values))
     tc.assertGreaterEqual(same, 0.999, "mxfp8 output bytes differ from the reference quantisation")
-  else:
-    ref = h32_ref
   offs, cnts = np.asarray(expert_offsets), np.asarray(expert_counts)
   for r in range(got.shape[0]):
     landed = np.zeros(got.shape[1], bool)
     for e in range(offs.shape[1]):
       rows = slice(offs[r, e], offs[r, e] + cnts[r, e])
       landed[rows] = True
-      g, f = got[r, rows], ref[r, rows]
-      if f.size == 0:
-        continue
-      tc.assertFalse(np.isnan(g[~np.isnan(f)]).any(), f"NaN in rank {r} expert {e}")
-      fin = np.isfinite(f)
-      g, f = g[fin], f[fin]
-      nref = np.linalg.norm(f)
-      if nref > 0:
-        tc.assertLessEqual(np.linalg.norm(g - f) / nref, 4e-3, f"rank {r} expert {e}: norm")
-        tc.assertLessEqual(np.max(np.abs(g - f)), 1e-2 * np.max(np.abs(f)), f"rank {r} expert {e}: max")
+      if cnts[r, e]:
+        check_block(tc, got[r, rows], h32_ref[r, rows], out_dtype, f"rank {r} expert {e}")
     tc.assertTrue((got[r][~landed] == 0).all(), f"rank {r}: padding rows must be 0")
 
 

@@ -198,12 +198,12 @@ struct ScaleRegs {
   uint8_t a[C::KB / 2], b[C::KB / 2];
 };
 
+// The cp.async copies of stage `ks` of a tile's A rows and weight rows into swizzled tiles (rows
+// past the valid ones and K past H are zero-filled).
 template <class C>
-__device__ __forceinline__ void issue_stage(const Gemm1Args& g, const Tile& t, int ks,
-                                            typename C::Stage& s, ScaleRegs<C>& sr) {
-  constexpr int KB = C::KB;
+__device__ __forceinline__ void issue_tiles(const Gemm1Args& g, const Tile& t, int ks, uint8_t* a,
+                                            uint8_t* b) {
   const int tid = threadIdx.x;
-  const int64_t HS = g.H / kBlock;
   const uint8_t* wbase = g.w + int64_t(t.e) * 2 * g.I * g.H;
 #pragma unroll
   for (int i = 0; i < BM * C::CH / THREADS; ++i) {
@@ -211,12 +211,21 @@ __device__ __forceinline__ void issue_stage(const Gemm1Args& g, const Tile& t, i
     const int64_t kbyte = int64_t(ks) * C::KBYTES + c * 16;
     const bool kvalid = kbyte < g.H;
     const bool va = kvalid && r < t.rows;
-    cp_async16(s.a + C::swz(r, c), va ? g.a + (t.row0 + r) * g.H + kbyte : g.a, va);
+    cp_async16(a + C::swz(r, c), va ? g.a + (t.row0 + r) * g.H + kbyte : g.a, va);
     const int64_t col = t.n0 + (r & (BN - 1));
     const int64_t wrow = (r < BN ? 0 : g.I) + col;
     const bool vb = kvalid && col < g.I;
-    cp_async16(s.b + C::swz(r, c), vb ? wbase + wrow * g.H + kbyte : g.w, vb);
+    cp_async16(b + C::swz(r, c), vb ? wbase + wrow * g.H + kbyte : g.w, vb);
   }
+}
+
+template <class C>
+__device__ __forceinline__ void issue_stage(const Gemm1Args& g, const Tile& t, int ks,
+                                            typename C::Stage& s, ScaleRegs<C>& sr) {
+  constexpr int KB = C::KB;
+  const int tid = threadIdx.x;
+  const int64_t HS = g.H / kBlock;
+  issue_tiles<C>(g, t, ks, s.a, s.b);
   // scales. Aligned: one 4-byte cp.async per row (threads 0-127: A rows, 128-255: weight rows).
   const uint8_t* ws = g.w_scales + int64_t(t.e) * 2 * g.I * HS;
   const int64_t kb0 = int64_t(ks) * KB;

@@ -1,8 +1,14 @@
-// Grouped MX-fp8 GEMM1 + SwiGLU, version 3 (EXPERIMENTAL, not yet run on a GPU; JSM_GEMM1=wgmma):
-// the stages, tiles and scheduler of gemm1.cuh, but each warpgroup (64 rows) issues one
-// asynchronous `wgmma.m64n128k32` per MX block straight from the swizzled shared-memory tiles (the
-// 128-byte rows with chunk c at c ^ (row & 7) are the SW128 K-major layout), and the float32
-// promotion of block k runs while the tensor cores compute block k + 1 (two staging accumulators).
+// Grouped MX-fp8 GEMM1 + SwiGLU with Hopper wgmma (JSM_GEMM1=wgmma while it is being validated):
+// the tiles and scheduler of gemm1.cuh, but each warpgroup (64 rows) issues one asynchronous
+// `wgmma.m64n128k32` per MX block straight from the swizzled shared-memory tiles (the 128-byte rows
+// with chunk c at c ^ (row & 7) are the SW128 K-major layout), and the float32 promotion of block k
+// runs while the tensor cores compute block k + 1 (two staging accumulators).
+//
+// The promotion (acc += d * sa[row] * sb[col], one FMUL + one FFMA per accumulator and block) is
+// kept to those two instructions: the e8m0 scale bytes arrive by cp.async with the stage and are
+// converted to floats once per stage, laid out so each thread reads its 32 column scales of a
+// block with 8 conflict-free 16-byte loads and its two row scales of a stage with 2; warps whose
+// 16 rows are all padding skip the promotion.
 #pragma once
 
 #include "kernels/cuda/gemm1.cuh"
@@ -12,10 +18,69 @@ namespace cuda {
 namespace gemm1_v3 {
 
 using namespace gemm1_v1;
-using C = Cfg<4, 4>;  // 128 B of K per row per stage: one SW128 atom row
+using C = Cfg<4, 4>;  // 128 B of K per row per stage: one SW128 atom row (C::STAGES unused)
+constexpr int KB = C::KB;
 constexpr int kAlign = 1024;  // SW128 atoms (8 rows x 128 B) must start 1024-byte aligned
-constexpr int kSmemBytes = C::kSmemBytes + kAlign;
-static_assert(sizeof(C::Stage) % kAlign == 0 && BM * C::KBYTES % kAlign == 0, "stage alignment");
+// Column scales of one MX block: the 32 columns j * 8 + tig * 2 + c (j < 16, c < 2) a thread tig
+// holds are 32 consecutive floats at tig * kSbStride; the stride of 36 puts the four tig groups of
+// a 16-byte load phase on different banks.
+constexpr int kSbStride = 36;
+
+struct alignas(kAlign) Stage {
+  uint8_t a[BM * C::KBYTES];
+  uint8_t b[BNW * C::KBYTES];
+  uint32_t scale_bytes[THREADS];  // thread i: the KB scale bytes of tile row i (A rows, then weights)
+};
+// The scales of the stage being computed, as floats (one buffer: converted once per stage).
+struct Scales {
+  float4 sa[BM];                 // row r: MX blocks 0..3 of the stage
+  float sb[KB][4 * kSbStride];  // see kSbStride
+};
+constexpr int smem_bytes(int stages) { return stages * int(sizeof(Stage)) + kAlign; }
+static_assert(BM * C::KBYTES % kAlign == 0 && BNW == 128 && THREADS == 2 * BM, "tile geometry");
+
+__device__ __forceinline__ int sb_index(int col) {  // col < 128 within the weight tile
+  return (col & 7) / 2 * kSbStride + (col >> 3) * 2 + (col & 1);
+}
+
+// Thread i copies the KB scale bytes of tile row i of stage ks (threads 0-127 the A rows, 128-255
+// the weight rows): one 4-byte cp.async when aligned, so nothing waits on it before the stage's
+// data has landed.
+__device__ __forceinline__ void issue_scales(const Gemm1Args& g, const Tile& t, int ks, Stage& s) {
+  const int tid = threadIdx.x, r = tid & (BM - 1);
+  const int64_t HS = g.H / kBlock, kb0 = int64_t(ks) * KB;
+  const uint8_t* src = nullptr;
+  if (tid < BM) {
+    if (r < t.rows) src = g.a_scales + (t.row0 + r) * HS;
+  } else {
+    const int64_t col = t.n0 + (r & (BN - 1));
+    if (col < g.I) src = g.w_scales + (int64_t(t.e) * 2 * g.I + (r < BN ? 0 : g.I) + col) * HS;
+  }
+  if (g.scales_aligned) {
+    const bool v = src && kb0 < HS;
+    cp_async_small<4>(&s.scale_bytes[tid], v ? src + kb0 : g.w_scales, v);
+    return;
+  }
+  uint32_t v = 0;  // rare shapes (H % 128 != 0): plain loads
+#pragma unroll
+  for (int j = 0; j < KB; ++j)
+    if (src && kb0 + j < HS) v |= uint32_t(src[kb0 + j]) << (8 * j);
+  s.scale_bytes[tid] = v;
+}
+
+__device__ __forceinline__ void convert_scales(const Stage& s, Scales& f) {
+  const int tid = threadIdx.x, r = tid & (BM - 1);
+  const uint32_t v = s.scale_bytes[tid];
+  float x[KB];
+#pragma unroll
+  for (int j = 0; j < KB; ++j) x[j] = e8m0_to_f32(uint8_t(v >> (8 * j)));
+  if (tid < BM) {
+    f.sa[r] = make_float4(x[0], x[1], x[2], x[3]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < KB; ++j) f.sb[j][sb_index(r)] = x[j];
+  }
+}
 
 // Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 B apart.
 __device__ __forceinline__ uint64_t smem_desc(const void* p) {
@@ -47,62 +112,75 @@ __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// acc += d * sa[row] * sb[col] for this thread's 64 accumulators of MX block kb.
-__device__ __forceinline__ void promote(float* acc, const float* d, const C::Stage& s, int kb,
-                                        int row0, int tig) {
-  const float sa0 = e8m0_to_f32(s.sa[row0][kb]), sa1 = e8m0_to_f32(s.sa[row0 + 8][kb]);
+// acc += d * sa[row] * sb[col] for this thread's 64 accumulators of MX block kb (rows row0 and
+// row0 + 8 with scales sa0, sa1; columns j * 8 + tig * 2 + c).
+template <int kb>
+__device__ __forceinline__ void promote(float* acc, const float* d, const Scales& s, float sa0,
+                                        float sa1, int tig) {
+  const float4* sb = reinterpret_cast<const float4*>(&s.sb[kb][tig * kSbStride]);
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    const int col = (j < 8 ? 0 : BN) + (j & 7) * 8 + tig * 2;
-    const float sb0 = e8m0_to_f32(s.sb[col][kb]), sb1 = e8m0_to_f32(s.sb[col + 1][kb]);
-    acc[j * 4 + 0] += d[j * 4 + 0] * (sa0 * sb0);
-    acc[j * 4 + 1] += d[j * 4 + 1] * (sa0 * sb1);
-    acc[j * 4 + 2] += d[j * 4 + 2] * (sa1 * sb0);
-    acc[j * 4 + 3] += d[j * 4 + 3] * (sa1 * sb1);
+  for (int q = 0; q < 8; ++q) {  // columns of n8 blocks j = 2q, 2q + 1
+    const float4 b = sb[q];
+    const float sbv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int jj = 0; jj < 2; ++jj) {
+      const int j = 2 * q + jj;
+      acc[j * 4 + 0] = fmaf(d[j * 4 + 0], sa0 * sbv[2 * jj], acc[j * 4 + 0]);
+      acc[j * 4 + 1] = fmaf(d[j * 4 + 1], sa0 * sbv[2 * jj + 1], acc[j * 4 + 1]);
+      acc[j * 4 + 2] = fmaf(d[j * 4 + 2], sa1 * sbv[2 * jj], acc[j * 4 + 2]);
+      acc[j * 4 + 3] = fmaf(d[j * 4 + 3], sa1 * sbv[2 * jj + 1], acc[j * 4 + 3]);
+    }
   }
 }
 
+template <int STAGES>
 __global__ void __launch_bounds__(THREADS, 1) gemm1_kernel(const Gemm1Args g) {
   extern __shared__ uint8_t smem_raw[];
-  C::Stage* stages = reinterpret_cast<C::Stage*>(
+  Stage* stages = reinterpret_cast<Stage*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + kAlign - 1) & ~uintptr_t(kAlign - 1));
   __shared__ TileScheduler sched;
+  __shared__ Scales fs;
   sched.init(g);
   const int total = sched.total(g);
-  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  const int grp = lane >> 2, tig = lane & 3;
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane_id = threadIdx.x % 32;
+  const int grp = lane_id >> 2, tig = lane_id & 3;
   const int row0 = wg * 64 + warp * 16 + grp;  // this thread's rows: row0, row0 + 8
   const int64_t HS = g.H / kBlock;
-  const int num_k = int((HS + C::KB - 1) / C::KB);
+  const int num_k = int((HS + KB - 1) / KB);
 
   for (int w = blockIdx.x; w < total; w += gridDim.x) {
     const Tile t = sched.tile(g, w);
-    const bool active = wg * 64 < t.rows;  // warpgroup-uniform
+    const bool wg_active = wg * 64 < t.rows;                  // warpgroup-uniform: issue wgmma
+    const bool warp_active = wg * 64 + warp * 16 < t.rows;  // warp-uniform: promote
 
     float acc[64], da[64], db[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
 
-    __syncthreads();
-    ScaleRegs<C> sr;
+    __syncthreads();  // the previous tile's reads of every stage are done
 #pragma unroll
-    for (int s = 0; s < C::STAGES - 1; ++s) {
+    for (int s = 0; s < STAGES - 1; ++s) {
       if (s < num_k) {
-        issue_stage<C>(g, t, s, stages[s], sr);
-        store_scales<C>(g, stages[s], sr);
+        issue_tiles<C>(g, t, s, stages[s].a, stages[s].b);
+        issue_scales(g, t, s, stages[s]);
       }
       cp_async_commit();
     }
     for (int ks = 0; ks < num_k; ++ks) {
-      cp_async_wait<C::STAGES - 2>();
+      cp_async_wait<STAGES - 2>();
       fence_proxy_async();  // cp.async wrote through the generic proxy; wgmma reads the async one
-      __syncthreads();
-      const int next = ks + C::STAGES - 1;
-      const bool has_next = next < num_k;
-      if (has_next) issue_stage<C>(g, t, next, stages[next % C::STAGES], sr);
+      __syncthreads();      // stage ks has landed; every thread is done with stage ks - 1 and fs
+      convert_scales(stages[ks % STAGES], fs);
+      const int next = ks + STAGES - 1;
+      if (next < num_k) {
+        issue_tiles<C>(g, t, next, stages[next % STAGES].a, stages[next % STAGES].b);
+        issue_scales(g, t, next, stages[next % STAGES]);
+      }
       cp_async_commit();
-      const C::Stage& s = stages[ks % C::STAGES];
-      if (active) {
+      __syncthreads();  // fs holds stage ks's scales
+      const Stage& s = stages[ks % STAGES];
+      if (wg_active) {
+        const float4 sa0 = fs.sa[row0], sa1 = fs.sa[row0 + 8];
         const uint8_t* a = s.a + wg * 64 * C::KBYTES;
         wgmma_fence();
         wgmma_m64n128k32(da, smem_desc(a), smem_desc(s.b));
@@ -111,21 +189,20 @@ __global__ void __launch_bounds__(THREADS, 1) gemm1_kernel(const Gemm1Args g) {
         wgmma_m64n128k32(db, smem_desc(a + 32), smem_desc(s.b + 32));
         wgmma_commit();
         wgmma_wait<1>();
-        promote(acc, da, s, 0, row0, tig);
+        if (warp_active) promote<0>(acc, da, fs, sa0.x, sa1.x, tig);
         wgmma_fence();
         wgmma_m64n128k32(da, smem_desc(a + 64), smem_desc(s.b + 64));
         wgmma_commit();
         wgmma_wait<1>();
-        promote(acc, db, s, 1, row0, tig);
+        if (warp_active) promote<1>(acc, db, fs, sa0.y, sa1.y, tig);
         wgmma_fence();
         wgmma_m64n128k32(db, smem_desc(a + 96), smem_desc(s.b + 96));
         wgmma_commit();
         wgmma_wait<1>();
-        promote(acc, da, s, 2, row0, tig);
+        if (warp_active) promote<2>(acc, da, fs, sa0.z, sa1.z, tig);
         wgmma_wait<0>();
-        promote(acc, db, s, 3, row0, tig);
+        if (warp_active) promote<3>(acc, db, fs, sa0.w, sa1.w, tig);
       }
-      if (has_next) store_scales<C>(g, stages[next % C::STAGES], sr);
     }
     cp_async_wait<0>();
 
