@@ -6,7 +6,9 @@
 #include <cstdlib>
 #include <string>
 
+#include "cuda_ep.h"
 #include "cuda_handlers.h"
+#include "cuda_launch.h"
 #include "signatures.h"
 #include "kernels/cuda/gemm1.cuh"
 #include "kernels/cuda/gemm1_wgmma.cuh"
@@ -46,22 +48,8 @@ T* ptr(ffi::Result<ffi::AnyBuffer>& r) { return static_cast<T*>(r->untyped_data(
 template <class T>
 const T* ptr(const ffi::AnyBuffer& b) { return static_cast<const T*>(b.untyped_data()); }
 
-int num_sms() {
-  static int cached[64] = {};
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (dev < 64 && cached[dev]) return cached[dev];
-  int n = 0;
-  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-  if (dev < 64) cached[dev] = n;
-  return n;
-}
-
-int grid_for(int64_t items, int per_block) {
-  int64_t blocks = (items + per_block - 1) / per_block;
-  int64_t cap = int64_t(num_sms()) * 16;
-  return int(blocks < 1 ? 1 : (blocks < cap ? blocks : cap));
-}
+using jsm::cuda::grid_for;
+using jsm::cuda::num_sms;
 
 ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> values,
                         ffi::Result<ffi::AnyBuffer> scales) {
@@ -143,7 +131,8 @@ ffi::Error PackImpl(cudaStream_t stream, ffi::AnyBuffer x_values, ffi::AnyBuffer
                             scales, token, slot, weight);
 }
 
-// R = 1 only (engine "local"); the multi-GPU engines bring their own handler.
+// runtime_id 0: engine "local" (R = 1, one copy kernel); otherwise the window set of a Runtime
+// with engine "ce" or "sm" (ffi/cuda_ep.cu).
 ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer values, ffi::AnyBuffer scales, S32Vec token,
                         S32Vec slot, F32Vec weight, S32Mat send_counts, S32Scalar rank,
                         ffi::Result<ffi::AnyBuffer> out_values,
@@ -154,11 +143,30 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer values, ffi::AnyBuff
                         ffi::Result<S32Scalar> overflow, int64_t runtime_id, int64_t row_align,
                         double timeout_s, int64_t fault_absent_rank, int64_t fault_delay_rank,
                         int64_t fault_delay_ms) {
-  if (send_counts.dimensions()[0] != 1)
-    return ffi::Error::InvalidArgument(
-        "jax_sdma_moe dispatch (CUDA): this build moves rows within one GPU only (R = 1)");
   const int EL = int(send_counts.dimensions()[1]);
   const int64_t m_cap = rows_of(*out_values), H = last_dim(values);
+  if (runtime_id != 0) {
+    const jsm::cuda::EpGeometry g{send_counts.dimensions()[0], EL, H, m_cap, rows_of(values)};
+    const jsm::ep::SendIn send{ptr<uint8_t>(values), ptr<uint8_t>(scales), token.typed_data(),
+                               slot.typed_data(), weight.typed_data(), send_counts.typed_data()};
+    const jsm::cuda::LandedOut out{
+        ptr<uint8_t>(out_values),     ptr<uint8_t>(out_scales),        src_rank->typed_data(),
+        out_token->typed_data(),      out_slot->typed_data(),          out_weight->typed_data(),
+        expert_offsets->typed_data(), expert_counts->typed_data(),     num_rows->typed_data(),
+        overflow->typed_data()};
+    const std::string err = jsm::ep::dispatch(
+        stream, runtime_id, g, send, out,
+        jsm::ep::Options{row_align, timeout_s, fault_absent_rank, fault_delay_rank,
+                         fault_delay_ms});
+    if (err.empty()) return ffi::Error::Success();
+    return ffi::Error(err.find("timed out") != std::string::npos
+                          ? ffi::ErrorCode::kDeadlineExceeded
+                          : ffi::ErrorCode::kInternal,
+                      err);
+  }
+  if (send_counts.dimensions()[0] != 1)
+    return ffi::Error::InvalidArgument(
+        "jax_sdma_moe dispatch (CUDA): engine 'local' moves rows within one GPU only (R = 1)");
   jsm::cuda::dispatch_local_kernel<<<grid_for(m_cap, 8), 256, (3 * EL + 1) * sizeof(int32_t),
                                      stream>>>(
       ptr<uint8_t>(values), ptr<uint8_t>(scales), token.typed_data(), slot.typed_data(),

@@ -1,12 +1,17 @@
 // pybind11 module: hands each FFI handler to Python as a capsule (registered with
 // jax.ffi.register_ffi_target, one target name per stage) and owns the cpu engine's Runtime table.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <initializer_list>
+#include <stdexcept>
+#include <string>
+#include <vector>
 #include <utility>
 
 #include "cpu_handlers.h"
 #ifdef JSM_WITH_CUDA
+#include "cuda_ep.h"
 #include "cuda_handlers.h"
 #endif
 #include "kernels/cpu/dispatch.h"
@@ -39,6 +44,35 @@ PYBIND11_MODULE(_jsm_ffi, m) {
   });
 #endif
   m.def("runtime_create", &jsm::runtime_create, py::arg("num_ranks"));
+#ifdef JSM_WITH_CUDA
+  // The ce/sm engines' windows: created per dispatch geometry by jax_sdma_moe.runtime.
+  auto check = [](const std::string& err) {
+    if (!err.empty()) throw std::runtime_error(err);
+  };
+  m.def("ep_windows_create",
+        [](int64_t R, int engine, int sm_blocks, int64_t H, int64_t EL, int64_t m_cap,
+           int64_t send_rows, std::vector<int64_t> ranks, std::vector<int64_t> devices) {
+          std::string err;
+          const int64_t id = jsm::ep::windows_create(
+              R, engine, sm_blocks, jsm::cuda::EpGeometry{R, EL, H, m_cap, send_rows}, ranks,
+              devices, &err);
+          if (id == 0) throw std::runtime_error(err);
+          return id;
+        });
+  m.def("ep_windows_connect_local", [check](int64_t id) { check(jsm::ep::windows_connect_local(id)); });
+  m.def("ep_window_ipc_handle", [check](int64_t id, int64_t rank) {
+    std::string h;
+    check(jsm::ep::window_ipc_handle(id, rank, &h));
+    return py::bytes(h);
+  });
+  m.def("ep_windows_open", [check](int64_t id, int64_t rank, std::vector<std::string> handles) {
+    check(jsm::ep::windows_open(id, rank, handles));
+  });
+  m.def("ep_windows_destroy", &jsm::ep::windows_destroy);
+  m.def("ep_error", &jsm::ep::error_message);
+  m.attr("EP_ENGINES") = py::dict(py::arg("ce") = int(jsm::ep::kCopyEngine),
+                                  py::arg("sm") = int(jsm::ep::kSmEngine));
+#endif
   m.def("runtime_destroy", &jsm::runtime_destroy, py::arg("runtime_id"));
   m.def("has_cuda", [] {
 #ifdef JSM_WITH_CUDA

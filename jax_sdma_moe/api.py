@@ -9,7 +9,7 @@ from jax import lax
 
 from . import layout, primitives, reference, xla_engine
 from .layout import BLOCK
-from .runtime import FFI_DISPATCH_ENGINES, Runtime
+from .runtime import FFI_DISPATCH_ENGINES, WINDOW_ENGINES, Runtime
 from .types import MXFP8, Landed, QuantizedW1, SendBuffer, Stage1Output
 
 F8 = jnp.dtype(jnp.float8_e4m3fn)
@@ -90,8 +90,13 @@ def dispatch(send: SendBuffer, send_counts: jax.Array, *, runtime: Runtime, cap:
   """The dispatch stage with the Runtime's engine: this rank's send buffer -> its landed rows."""
   cfg = runtime.config
   if runtime.engine in FFI_DISPATCH_ENGINES:
+    if runtime.engine in WINDOW_ENGINES:
+      target = runtime.dispatch_window(send.values.shape[1], send_counts.shape[1], cap,
+                                       send.values.shape[0])
+    else:
+      target = runtime.runtime_id
     return primitives.dispatch(
-        send, send_counts, lax.axis_index(runtime.axis_name), runtime_id=runtime.runtime_id,
+        send, send_counts, lax.axis_index(runtime.axis_name), runtime_id=target,
         cap=cap, row_align=cfg.row_align, timeout_s=cfg.timeout_s,
         fault_absent_rank=cfg.fault_absent_rank, fault_delay_rank=cfg.fault_delay_rank,
         fault_delay_ms=cfg.fault_delay_ms)

@@ -42,6 +42,7 @@ class Stage1Config:
   swiglu_limit: None, or L > 0 for h = silu(min(g, L)) * clamp(u, -L, L).
   timeout_s: bound on every wait for a peer; on expiry the call fails naming rank and peer.
   fault_*: fault injection for tests: a rank that never takes part, or one that starts late.
+  sm_dispatch_blocks: thread blocks (one per SM) the "sm" engine spends on storing rows to peers.
   """
   engine: Optional[str] = None
   row_align: int = 128
@@ -52,6 +53,7 @@ class Stage1Config:
   fault_absent_rank: int = -1
   fault_delay_rank: int = -1
   fault_delay_ms: int = 0
+  sm_dispatch_blocks: int = 24
 
   def __post_init__(self):
     if self.engine is not None and self.engine not in ENGINES:
@@ -68,3 +70,6 @@ class Stage1Config:
       raise ValueError(f"Stage1Config.swiglu_limit must be None or > 0, got {self.swiglu_limit!r}")
     if not self.timeout_s > 0:
       raise ValueError(f"Stage1Config.timeout_s must be > 0, got {self.timeout_s!r}")
+    if not isinstance(self.sm_dispatch_blocks, int) or not 1 <= self.sm_dispatch_blocks <= 1024:
+      raise ValueError("Stage1Config.sm_dispatch_blocks must be an int in [1, 1024], got "
+                       f"{self.sm_dispatch_blocks!r}")

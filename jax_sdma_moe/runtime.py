@@ -1,6 +1,7 @@
 """Runtime: what a Stage1 engine needs across calls (the mesh axis, the engine, its windows)."""
 from __future__ import annotations
 
+import itertools
 import sys
 import threading
 
@@ -13,9 +14,12 @@ from .config import Stage1Config
 # engine -> platforms it runs on, and the engines built so far
 _ENGINE_PLATFORMS = {"cpu": ("cpu",), "local": ("cpu", "cuda"), "xla": ("cpu", "cuda", "rocm"),
                      "ce": ("cuda",), "sm": ("cuda",), "sdma": ("rocm",)}
-_BUILT_ENGINES = ("cpu", "local", "xla")
+_BUILT_ENGINES = ("cpu", "local", "xla", "ce", "sm")
 # engines whose dispatch is the `dispatch` custom call (the others are built from collectives)
-FFI_DISPATCH_ENGINES = ("cpu", "local")
+FFI_DISPATCH_ENGINES = ("cpu", "local", "ce", "sm")
+# engines with symmetric device windows (created per dispatch geometry, see Runtime.dispatch_window)
+WINDOW_ENGINES = ("ce", "sm")
+_runtime_serial = itertools.count(1)  # the same in every process: Runtimes are made in one order
 
 
 def mesh_platform(mesh: Mesh) -> str:
@@ -39,8 +43,10 @@ class Runtime:
   """Create once, outside jit, for a mesh axis; pass to every stage1() call on that axis.
 
   With the `cpu` engine it owns symmetric landing windows (two parity slots per rank, sized at the
-  first call of each shape) in a process-global table; close() frees them. Calls on one Runtime
-  must run in the same order on every rank (they do under shard_map).
+  first call of each shape) in a process-global table; with the CUDA engines `ce` and `sm`, device
+  windows on every GPU of the axis (peer access in one process, CUDA IPC across processes), made at
+  the first trace of each shape. close() frees them. Calls on one Runtime must run in the same
+  order on every rank (they do under shard_map).
   """
 
   def __init__(self, mesh: Mesh, axis_name: str = "ep", config: Stage1Config = Stage1Config()):
@@ -73,6 +79,13 @@ class Runtime:
     if engine == "local" and self.num_ranks != 1:
       raise ValueError(f"Runtime: engine 'local' needs a one-rank axis, {axis_name!r} has "
                        f"{self.num_ranks}")
+    if engine in WINDOW_ENGINES:
+      if self.num_ranks < 2:
+        raise ValueError(f"Runtime: engine {engine!r} moves rows between GPUs; axis "
+                         f"{axis_name!r} has one rank: use engine 'local'")
+      if any(n != 1 for a, n in mesh.shape.items() if a != axis_name):
+        raise ValueError(f"Runtime: engine {engine!r} needs a mesh whose only axis longer than "
+                         f"one is {axis_name!r}, got {dict(mesh.shape)}")
     if self.platform != "cpu" and self.platform not in primitives.registered_platforms():
       raise ValueError(f"Runtime: this build of jax_sdma_moe has no {self.platform} kernels "
                        f"(built for {sorted(primitives.registered_platforms())}); rebuild where "
@@ -84,9 +97,76 @@ class Runtime:
     self.config = config
     self._lock = threading.Lock()
     self._id = None
+    self._windows = {}  # (H, EL, M_cap, send rows) -> window set id (engines ce, sm)
+    self._closed_windows = False
+    self._serial = next(_runtime_serial)
     if self.platform == "cpu" and engine in FFI_DISPATCH_ENGINES:
       primitives.registered_platforms()
       self._id = primitives._extension().runtime_create(self.num_ranks)
+    if engine in WINDOW_ENGINES and not hasattr(primitives._extension(), "ep_windows_create"):
+      raise ValueError("Runtime: this build of jax_sdma_moe has no CUDA engines; rebuild where "
+                       "nvcc is installed")
+
+  def _axis_devices(self):
+    return list(self.mesh.devices.reshape(-1))  # the other axes have length 1 (checked)
+
+  def dispatch_window(self, hidden: int, local_experts: int, cap: int, send_rows: int) -> int:
+    """The symmetric windows of engines ce/sm for one dispatch geometry, created at the first
+    trace that needs them (on the host, outside any computation) and kept until close(). Every
+    process of a multi-process mesh must trace the same calls: they exchange CUDA IPC handles
+    through jax.distributed's key-value store here."""
+    key = (int(hidden), int(local_experts), int(cap), int(send_rows))
+    with self._lock:
+      if self._closed_windows:
+        raise ValueError("Runtime is closed")
+      if key in self._windows:
+        return self._windows[key]
+      ext = primitives._extension()
+      devices = self._axis_devices()
+      me = jax.process_index()
+      local = [(r, d.local_hardware_id) for r, d in enumerate(devices) if d.process_index == me]
+      wid = ext.ep_windows_create(self.num_ranks, ext.EP_ENGINES[self.engine],
+                                  self.config.sm_dispatch_blocks, *key, [r for r, _ in local],
+                                  [d for _, d in local])
+      try:
+        if len(local) == self.num_ranks:
+          ext.ep_windows_connect_local(wid)
+        else:
+          self._exchange_ipc_handles(ext, wid, key, [r for r, _ in local])
+      except Exception:
+        ext.ep_windows_destroy(wid)
+        raise
+      self._windows[key] = wid
+      return wid
+
+  def _exchange_ipc_handles(self, ext, wid: int, key: tuple, local_ranks: list):
+    from jax._src import distributed
+    client = distributed.global_state.client
+    if client is None:
+      raise ValueError("Runtime: a mesh spanning processes needs jax.distributed.initialize()")
+    prefix = f"jax_sdma_moe/{self._serial}/{'x'.join(map(str, key))}"
+    for r in local_ranks:
+      client.key_value_set_bytes(f"{prefix}/{r}", ext.ep_window_ipc_handle(wid, r))
+    timeout_ms = int(max(self.config.timeout_s, 1.0) * 1000)
+    try:
+      handles = [client.blocking_key_value_get_bytes(f"{prefix}/{s}", timeout_ms)
+                 for s in range(self.num_ranks)]
+    except Exception as e:
+      raise TimeoutError(f"Runtime: the peers' windows ({prefix}) did not arrive within "
+                         f"{timeout_ms / 1000} s: {e}") from e
+    for r in local_ranks:
+      ext.ep_windows_open(wid, r, handles)
+
+  def check(self):
+    """Raises if a bounded wait of a ce/sm kernel ran out (the sm engine has no host step in the
+    call itself, so such an error surfaces here and at the next call)."""
+    if self.engine not in WINDOW_ENGINES:
+      return
+    ext = primitives._extension()
+    for wid in list(self._windows.values()):
+      msg = ext.ep_error(wid)
+      if msg:
+        raise TimeoutError(msg)
 
   def shard_w1(self, w1q):
     """Places QuantizedW1 [E, 2I, H] on the mesh, E/R experts per rank along the axis."""
@@ -110,6 +190,13 @@ class Runtime:
     """Frees the windows once every call already enqueued on the mesh has finished (a call still
     in flight would otherwise find its windows gone)."""
     with self._lock:
+      if self._windows:
+        _wait_for_mesh(self.mesh)
+        for wid in self._windows.values():
+          primitives._extension().ep_windows_destroy(wid)
+        self._windows = {}
+      if self.engine in WINDOW_ENGINES:
+        self._closed_windows = True
       if self._id is None:
         return
       _wait_for_mesh(self.mesh)
@@ -129,6 +216,9 @@ class Runtime:
       if self._id is not None:
         primitives._extension().runtime_destroy(self._id)
         self._id = None
+      for wid in getattr(self, "_windows", {}).values():
+        primitives._extension().ep_windows_destroy(wid)
+      self._windows = {}
       return
     try:
       self.close()

@@ -7,11 +7,10 @@
 #include <stdint.h>
 
 #include "kernels/common/mxfp8.h"
+#include "kernels/cuda/layout.cuh"
 
 namespace jsm {
 namespace cuda {
-
-constexpr int kWarp = 32;
 
 // One 32-element block per thread: four 16-byte loads, two 16-byte stores.
 template <class In>
@@ -217,36 +216,6 @@ __global__ void pack_kernel(const uint16_t* x, const uint8_t* x_values, const ui
       scales[pos[k] * HS + b] = s;
     }
   }
-}
-
-// §4 offsets of EL experts from per-expert totals, in shared memory (EL is at most a few hundred).
-__device__ __forceinline__ void landing_layout_smem(const int32_t* total, int EL, int64_t row_align,
-                                                    int64_t m_cap, int32_t* offsets,
-                                                    int32_t* counts, int32_t* dropped) {
-  if (threadIdx.x == 0) {
-    int64_t off = 0, drop = 0;
-    for (int e = 0; e < EL; ++e) {
-      const int64_t start = off < m_cap ? off : m_cap;
-      int64_t kept = total[e] < m_cap - start ? total[e] : m_cap - start;
-      offsets[e] = int32_t(start);
-      counts[e] = int32_t(kept);
-      drop += total[e] - kept;
-      off += (int64_t(total[e]) + row_align - 1) / row_align * row_align;
-    }
-    *dropped = int32_t(drop);
-  }
-  __syncthreads();
-}
-
-// The expert whose landed rows hold `row`, or -1 for a padding row.
-__device__ __forceinline__ int expert_of_row(const int32_t* offsets, const int32_t* counts, int EL,
-                                             int64_t row) {
-  int lo = 0, hi = EL - 1;  // last expert with offset <= row
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (offsets[mid] <= row) lo = mid; else hi = mid - 1;
-  }
-  return (row >= offsets[lo] && row < offsets[lo] + counts[lo]) ? lo : -1;
 }
 
 // dispatch with R = 1: every landing row, landed or padding, written by one warp.

@@ -1,0 +1,476 @@
+// Host side of the multi-GPU dispatch engines (protocol: kernels/cuda/ep_window.h).
+//
+// Engine `ce`: everything that moves bytes between GPUs is a copy-engine operation on XLA's stream.
+// The plan (each source's counts) goes to every destination by a peer copy followed by a
+// stream-ordered flag write (cuStreamBatchMemOp); the host then waits, bounded, for every source's
+// plan (one host synchronisation per call, like DeepEP's normal mode), computes every segment's
+// landing offset, and enqueues the rows as batched peer copies (cudaMemcpyBatchAsync), each chunk
+// of experts followed by the write of its signals at the destination. No SM touches a row in flight.
+// Engine `sm`: one kernel puts the plan, waits for the peers' plans and stores the rows itself
+// (kernels/cuda/ep_dispatch.cuh); no host synchronisation.
+// Both then run ep_readout_kernel, which waits (bounded) for every signal of this rank's slot.
+#include "cuda_ep.h"
+
+#include <cuda.h>  // CUstreamBatchMemOpParams (the function itself comes from the runtime)
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "cuda_launch.h"
+#include "kernels/cpu/stage.h"  // landing_layout: the host's §4 offsets
+#include "kernels/cuda/ep_dispatch.cuh"
+
+namespace jsm {
+namespace ep {
+namespace {
+
+using cuda::EpError;
+using cuda::EpGeometry;
+using cuda::EpWindowLayout;
+
+constexpr int kFlagChunk = 16;  // experts per batch of copies before their signals (ce)
+constexpr int64_t kMaxSegments = 4096;  // R * EL: the sm kernel keeps its segment table in smem
+
+struct LocalRank {
+  int rank = -1, device = -1;
+  uint8_t* own = nullptr;
+  cuda::PeerTable peers{};
+  std::vector<void*> opened;  // IPC-opened peer windows
+  uint32_t epoch = 0;
+  double timeout_s = 0;
+  EpError* err_host = nullptr;  // mapped pinned memory
+  EpError* err_dev = nullptr;
+  uint32_t* h_flags = nullptr;  // pinned
+  int32_t* h_plan = nullptr;    // pinned
+};
+
+struct WindowSet {
+  int64_t R = 0;
+  int engine = 0, sm_blocks = 0;
+  EpGeometry g{};
+  EpWindowLayout L{};
+  std::vector<LocalRank> local;
+  bool connected = false;
+};
+
+std::mutex g_mu;
+std::map<int64_t, std::shared_ptr<WindowSet>> g_sets;
+int64_t g_next_id = 1;
+
+std::string cuda_error(const std::string& what, cudaError_t e) {
+  return "jax_sdma_moe (" + what + "): " + cudaGetErrorString(e);
+}
+
+#define JSM_CUDA_TRY(what, expr)                       \
+  do {                                                 \
+    cudaError_t _e = (expr);                           \
+    if (_e != cudaSuccess) return cuda_error(what, _e); \
+  } while (0)
+
+struct DeviceGuard {
+  int prev = 0;
+  explicit DeviceGuard(int dev) {
+    cudaGetDevice(&prev);
+    cudaSetDevice(dev);
+  }
+  ~DeviceGuard() { cudaSetDevice(prev); }
+};
+
+std::shared_ptr<WindowSet> find_set(int64_t id) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = g_sets.find(id);
+  return it == g_sets.end() ? nullptr : it->second;
+}
+
+LocalRank* local_rank(WindowSet& w, int64_t rank) {
+  for (auto& l : w.local)
+    if (l.rank == rank) return &l;
+  return nullptr;
+}
+
+LocalRank* rank_on_current_device(WindowSet& w) {
+  int dev = -1;
+  cudaGetDevice(&dev);
+  for (auto& l : w.local)
+    if (l.device == dev) return &l;
+  return nullptr;
+}
+
+std::string describe(const LocalRank& me) {
+  volatile EpError* v = me.err_host;  // the code is written last (after a system fence)
+  const EpError e{v->code, v->peer, v->expert, v->epoch};
+  if (e.code == 0) return "";
+  const std::string what = e.code == 1 ? "the plan (send counts)"
+                                       : "the rows of local expert " + std::to_string(e.expert);
+  return "jax_sdma_moe dispatch: rank " + std::to_string(me.rank) + " timed out after " +
+         std::to_string(me.timeout_s) + " s waiting for " + what + " from peer rank " +
+         std::to_string(e.peer) + " (epoch " + std::to_string(e.epoch) +
+         "); the peer did not arrive. The Runtime's windows are now out of step: create a new "
+         "Runtime.";
+}
+
+using BatchMemOpFn = CUresult (*)(CUstream, unsigned int, CUstreamBatchMemOpParams*, unsigned int);
+
+BatchMemOpFn batch_mem_op() {
+  static BatchMemOpFn fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuStreamBatchMemOp", &p, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      p = nullptr;
+    return reinterpret_cast<BatchMemOpFn>(p);
+  }();
+  return fn;
+}
+
+// Stream-ordered 32-bit writes (each after everything before it on the stream, with a memory
+// barrier: the default cuStreamWriteValue semantics).
+std::string write_flags(cudaStream_t st, const std::vector<uint32_t*>& addrs, uint32_t value) {
+  BatchMemOpFn fn = batch_mem_op();
+  if (!fn) return "jax_sdma_moe dispatch (ce): cuStreamBatchMemOp is not available from the driver";
+  for (size_t i = 0; i < addrs.size(); i += 128) {
+    const size_t n = std::min<size_t>(128, addrs.size() - i);
+    std::vector<CUstreamBatchMemOpParams> ops(n);
+    std::memset(ops.data(), 0, n * sizeof(CUstreamBatchMemOpParams));
+    for (size_t j = 0; j < n; ++j) {
+      ops[j].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
+      ops[j].writeValue.address = reinterpret_cast<CUdeviceptr>(addrs[i + j]);
+      ops[j].writeValue.value = value;
+      ops[j].writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+    }
+    const CUresult r = fn(reinterpret_cast<CUstream>(st), unsigned(n), ops.data(), 0);
+    if (r != CUDA_SUCCESS)
+      return "jax_sdma_moe dispatch (ce): cuStreamBatchMemOp failed (CUresult " +
+             std::to_string(int(r)) + ")";
+  }
+  return "";
+}
+
+struct CopyBatch {
+  std::vector<void*> dst;
+  std::vector<const void*> src;
+  std::vector<size_t> bytes;
+  void add(void* d, const void* s, size_t n) {
+    if (n == 0) return;
+    dst.push_back(d);
+    src.push_back(s);
+    bytes.push_back(n);
+  }
+  void clear() { dst.clear(), src.clear(), bytes.clear(); }
+};
+
+// The batch on the copy engines, in stream order.
+std::string put(CopyBatch& b, cudaStream_t st) {
+  if (b.dst.empty()) return "";
+  cudaMemcpyAttributes attr{};
+  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+  size_t attr_index = 0;
+#if CUDART_VERSION >= 13000
+  cudaError_t e = cudaMemcpyBatchAsync(b.dst.data(), b.src.data(), b.bytes.data(), b.dst.size(),
+                                       &attr, &attr_index, 1, st);
+#else
+  size_t fail = 0;
+  cudaError_t e = cudaMemcpyBatchAsync(b.dst.data(), const_cast<void**>(b.src.data()),
+                                       b.bytes.data(), b.dst.size(), &attr, &attr_index, 1, &fail,
+                                       st);
+#endif
+  if (e != cudaSuccess) {  // older drivers: one copy at a time
+    cudaGetLastError();
+    for (size_t i = 0; i < b.dst.size(); ++i)
+      JSM_CUDA_TRY("dispatch ce copy",
+                   cudaMemcpyAsync(b.dst[i], b.src[i], b.bytes[i], cudaMemcpyDeviceToDevice, st));
+  }
+  b.clear();
+  return "";
+}
+
+void free_rank(LocalRank& l) {
+  DeviceGuard guard(l.device);
+  cudaDeviceSynchronize();
+  for (void* p : l.opened) cudaIpcCloseMemHandle(p);
+  if (l.own) cudaFree(l.own);
+  if (l.err_host) cudaFreeHost(l.err_host);
+  if (l.h_flags) cudaFreeHost(l.h_flags);
+  if (l.h_plan) cudaFreeHost(l.h_plan);
+  l = LocalRank{};
+}
+
+template <class T>
+T* at(uint8_t* base, int64_t offset) {
+  return reinterpret_cast<T*>(base + offset);
+}
+
+// Engine ce, steps 1-3 of the protocol for rank `me` (the readout follows on the stream).
+std::string dispatch_ce(cudaStream_t st, const WindowSet& w, LocalRank& me, const cuda::EpArgs& a,
+                        const Options& opt) {
+  const int64_t R = w.R, EL = w.g.EL, H = w.g.H, HS = H / kBlock, S = w.g.send_rows;
+  const int p = a.parity, rank = me.rank;
+  const EpWindowLayout& L = w.L;
+  cuda::RowHeader* headers = at<cuda::RowHeader>(me.own, L.send_headers);
+  if (S > 0)
+    cuda::ep_headers_kernel<<<cuda::grid_for(S, 256), 256, 0, st>>>(a.token, a.slot, a.weight, S,
+                                                                     rank, headers);
+  JSM_CUDA_TRY("dispatch ce headers", cudaGetLastError());
+  // 1. the plan to every destination, then its flag
+  std::vector<uint32_t*> flags;
+  for (int64_t d = 0; d < R; ++d) {
+    JSM_CUDA_TRY("dispatch ce plan",
+                 cudaMemcpyAsync(at<int32_t>(me.peers.base[d], L.plan[p]) + rank * R * EL,
+                                 a.counts, size_t(R * EL) * 4, cudaMemcpyDeviceToDevice, st));
+    flags.push_back(at<uint32_t>(me.peers.base[d], L.plan_flag[p]) + rank);
+  }
+  std::string err = write_flags(st, flags, a.epoch);
+  if (!err.empty()) return err;
+  // 2. every source's plan (the first poll also waits for this rank's route and qpack)
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(opt.timeout_s));
+  for (;;) {
+    JSM_CUDA_TRY("dispatch ce plan wait",
+                 cudaMemcpyAsync(me.h_flags, at<uint32_t>(me.own, L.plan_flag[p]), size_t(R) * 4,
+                                 cudaMemcpyDeviceToHost, st));
+    JSM_CUDA_TRY("dispatch ce plan wait", cudaStreamSynchronize(st));
+    int64_t missing = -1;
+    for (int64_t s = 0; s < R && missing < 0; ++s)
+      if (!cuda::epoch_reached(me.h_flags[s], a.epoch)) missing = s;
+    if (missing < 0) break;
+    if (Clock::now() > deadline) {
+      volatile EpError* e = me.err_host;
+      e->peer = uint32_t(missing), e->expert = 0, e->epoch = a.epoch, e->code = 1;
+      return describe(me);
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(10));
+  }
+  JSM_CUDA_TRY("dispatch ce plan read",
+               cudaMemcpyAsync(me.h_plan, at<int32_t>(me.own, L.plan[p]),
+                               size_t(R * R * EL) * 4, cudaMemcpyDeviceToHost, st));
+  JSM_CUDA_TRY("dispatch ce plan read", cudaStreamSynchronize(st));
+  const int32_t* plan = me.h_plan;  // plan[(s * R + d) * EL + e]
+  const int32_t* mine = plan + rank * R * EL;
+  // 3. segments, destinations after this rank first, each chunk of experts then its signals
+  std::vector<int64_t> start(static_cast<size_t>(R * EL));
+  int64_t run = 0;
+  for (int64_t i = 0; i < R * EL; ++i) start[size_t(i)] = run, run += mine[i];
+  std::vector<int32_t> total(static_cast<size_t>(EL)), offsets(static_cast<size_t>(EL)),
+      counts(static_cast<size_t>(EL));
+  CopyBatch batch;
+  for (int64_t j = 1; j <= R; ++j) {
+    const int64_t d = (rank + j) % R;
+    for (int64_t e = 0; e < EL; ++e) {
+      total[size_t(e)] = 0;
+      for (int64_t s = 0; s < R; ++s) total[size_t(e)] += plan[(s * R + d) * EL + e];
+    }
+    landing_layout(total.data(), EL, a.row_align, w.g.m_cap, offsets.data(), counts.data());
+    uint8_t* dst = me.peers.base[d];
+    for (int64_t e0 = 0; e0 < EL; e0 += kFlagChunk) {
+      flags.clear();
+      for (int64_t e = e0; e < std::min<int64_t>(EL, e0 + kFlagChunk); ++e) {
+        int64_t base = offsets[size_t(e)];
+        for (int64_t s = 0; s < rank; ++s) base += plan[(s * R + d) * EL + e];
+        const int64_t room = int64_t(offsets[size_t(e)]) + counts[size_t(e)] - base;
+        const int64_t keep = std::max<int64_t>(0, std::min<int64_t>(mine[d * EL + e], room));
+        const int64_t from = start[size_t(d * EL + e)];
+        batch.add(at<uint8_t>(dst, L.values[p]) + base * H, a.values + from * H, size_t(keep * H));
+        batch.add(at<uint8_t>(dst, L.scales[p]) + base * HS, a.scales + from * HS,
+                  size_t(keep * HS));
+        batch.add(at<cuda::RowHeader>(dst, L.headers[p]) + base, headers + from,
+                  size_t(keep) * sizeof(cuda::RowHeader));
+        flags.push_back(at<uint32_t>(dst, L.seg_flag[p]) + e * R + rank);
+      }
+      err = put(batch, st);
+      if (err.empty()) err = write_flags(st, flags, a.epoch);
+      if (!err.empty()) return err;
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
+int64_t windows_create(int64_t R, int engine, int sm_blocks, const EpGeometry& g,
+                       const std::vector<int64_t>& ranks, const std::vector<int64_t>& devices,
+                       std::string* err) {
+  if (R < 2 || R > cuda::kMaxRanks) {
+    *err = "jax_sdma_moe: the ce/sm engines need 2 to " + std::to_string(cuda::kMaxRanks) +
+           " ranks, got " + std::to_string(R);
+    return 0;
+  }
+  if (R * g.EL > kMaxSegments) {
+    *err = "jax_sdma_moe: ranks x local experts = " + std::to_string(R * g.EL) + " exceeds " +
+           std::to_string(kMaxSegments) + " (the sm engine's segment table)";
+    return 0;
+  }
+  if (ranks.size() != devices.size()) {
+    *err = "jax_sdma_moe: ranks and devices differ in length";
+    return 0;
+  }
+  auto w = std::make_shared<WindowSet>();
+  w->R = R, w->engine = engine, w->sm_blocks = sm_blocks, w->g = g;
+  w->L = cuda::ep_window_layout(g);
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    LocalRank l;
+    l.rank = int(ranks[i]), l.device = int(devices[i]);
+    DeviceGuard guard(l.device);
+    cudaError_t e = cudaMalloc(&l.own, size_t(w->L.bytes));
+    if (e == cudaSuccess) e = cudaMemset(l.own, 0, size_t(w->L.bytes));
+    if (e == cudaSuccess)
+      e = cudaHostAlloc(&l.err_host, sizeof(EpError), cudaHostAllocMapped | cudaHostAllocPortable);
+    if (e == cudaSuccess) std::memset(l.err_host, 0, sizeof(EpError));
+    if (e == cudaSuccess) e = cudaHostGetDevicePointer(&l.err_dev, l.err_host, 0);
+    if (e == cudaSuccess) e = cudaMallocHost(&l.h_flags, size_t(R) * 4);
+    if (e == cudaSuccess) e = cudaMallocHost(&l.h_plan, size_t(R * R * g.EL) * 4);
+    if (e == cudaSuccess) e = cudaDeviceSynchronize();
+    l.peers.base[l.rank] = l.own;
+    w->local.push_back(l);
+    if (e != cudaSuccess) {
+      *err = cuda_error("window of rank " + std::to_string(l.rank) + " (" +
+                            std::to_string(w->L.bytes) + " bytes on device " +
+                            std::to_string(l.device) + ")",
+                        e);
+      for (auto& made : w->local) free_rank(made);
+      return 0;
+    }
+  }
+  std::lock_guard<std::mutex> lock(g_mu);
+  const int64_t id = g_next_id++;
+  g_sets[id] = w;
+  return id;
+}
+
+std::string windows_connect_local(int64_t id) {
+  auto w = find_set(id);
+  if (!w) return "jax_sdma_moe: unknown window set";
+  if (int64_t(w->local.size()) != w->R) return "jax_sdma_moe: not every rank is in this process";
+  for (auto& a : w->local) {
+    DeviceGuard guard(a.device);
+    for (auto& b : w->local) {
+      a.peers.base[b.rank] = b.own;
+      if (a.device == b.device) continue;
+      int can = 0;
+      JSM_CUDA_TRY("peer access", cudaDeviceCanAccessPeer(&can, a.device, b.device));
+      if (!can)
+        return "jax_sdma_moe: device " + std::to_string(a.device) + " cannot access device " +
+               std::to_string(b.device) + " (no peer access): use engine 'xla'";
+      cudaError_t e = cudaDeviceEnablePeerAccess(b.device, 0);
+      if (e == cudaErrorPeerAccessAlreadyEnabled)
+        cudaGetLastError();
+      else if (e != cudaSuccess)
+        return cuda_error("peer access", e);
+    }
+  }
+  w->connected = true;
+  return "";
+}
+
+std::string window_ipc_handle(int64_t id, int64_t rank, std::string* handle) {
+  auto w = find_set(id);
+  LocalRank* me = w ? local_rank(*w, rank) : nullptr;
+  if (!me) return "jax_sdma_moe: rank " + std::to_string(rank) + " has no window here";
+  DeviceGuard guard(me->device);
+  cudaIpcMemHandle_t h;
+  JSM_CUDA_TRY("IPC handle", cudaIpcGetMemHandle(&h, me->own));
+  handle->assign(reinterpret_cast<const char*>(&h), sizeof(h));
+  return "";
+}
+
+std::string windows_open(int64_t id, int64_t rank, const std::vector<std::string>& handles) {
+  auto w = find_set(id);
+  LocalRank* me = w ? local_rank(*w, rank) : nullptr;
+  if (!me) return "jax_sdma_moe: rank " + std::to_string(rank) + " has no window here";
+  if (int64_t(handles.size()) != w->R) return "jax_sdma_moe: one IPC handle per rank expected";
+  DeviceGuard guard(me->device);
+  for (int64_t s = 0; s < w->R; ++s) {
+    if (s == rank) continue;
+    if (handles[size_t(s)].size() != sizeof(cudaIpcMemHandle_t))
+      return "jax_sdma_moe: malformed IPC handle from rank " + std::to_string(s);
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, handles[size_t(s)].data(), sizeof(h));
+    void* p = nullptr;
+    JSM_CUDA_TRY("opening the window of rank " + std::to_string(s),
+                 cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess));
+    me->opened.push_back(p);
+    me->peers.base[s] = static_cast<uint8_t*>(p);
+  }
+  w->connected = true;
+  return "";
+}
+
+void windows_destroy(int64_t id) {
+  std::shared_ptr<WindowSet> w;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    auto it = g_sets.find(id);
+    if (it == g_sets.end()) return;
+    w = it->second;
+    g_sets.erase(it);
+  }
+  for (auto& l : w->local) free_rank(l);
+}
+
+std::string error_message(int64_t id) {
+  auto w = find_set(id);
+  if (!w) return "";
+  for (auto& l : w->local) {
+    std::string m = describe(l);
+    if (!m.empty()) return m;
+  }
+  return "";
+}
+
+std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendIn& send,
+                     const cuda::LandedOut& out, const Options& opt) {
+  auto w = find_set(id);
+  if (!w) return "jax_sdma_moe dispatch: unknown or closed Runtime window set (" +
+                 std::to_string(id) + ")";
+  if (!w->connected) return "jax_sdma_moe dispatch: the Runtime's windows are not connected";
+  if (g.R != w->g.R || g.EL != w->g.EL || g.H != w->g.H || g.m_cap != w->g.m_cap ||
+      g.send_rows != w->g.send_rows)
+    return "jax_sdma_moe dispatch: the call's shapes differ from its window set's";
+  LocalRank* me = rank_on_current_device(*w);
+  if (!me) return "jax_sdma_moe dispatch: no rank of this Runtime lives on the current device";
+  me->timeout_s = opt.timeout_s;
+  std::string err = describe(*me);
+  if (!err.empty()) return err;
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+
+  cuda::EpArgs a{};
+  a.peers = me->peers, a.L = w->L, a.g = w->g, a.rank = me->rank;
+  a.row_align = opt.row_align;
+  a.timeout_ns = uint64_t(opt.timeout_s * 1e9);
+  a.err = me->err_dev;
+  a.counts = send.counts, a.values = send.values, a.scales = send.scales;
+  a.token = send.token, a.slot = send.slot, a.weight = send.weight;
+  const bool absent = opt.fault_absent_rank == me->rank;
+  if (!absent) {
+    if (opt.fault_delay_rank == me->rank)
+      std::this_thread::sleep_for(std::chrono::milliseconds(opt.fault_delay_ms));
+    a.epoch = ++me->epoch;
+    a.parity = int(a.epoch & 1);
+    if (w->engine == kSmEngine) {
+      const int smem = int(cuda::SegmentTable::bytes(w->R, w->g.EL));
+      JSM_CUDA_TRY("dispatch sm",
+                   cudaFuncSetAttribute(cuda::ep_sm_kernel,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      const int blocks = std::min(w->sm_blocks, cuda::num_sms());
+      cuda::ep_sm_kernel<<<blocks, 512, smem, st>>>(a);
+      JSM_CUDA_TRY("dispatch sm", cudaGetLastError());
+    } else {
+      err = dispatch_ce(st, *w, *me, a, opt);
+      if (!err.empty()) return err;
+    }
+  }
+  const int smem = int(3 * w->g.EL + 1) * 4;
+  cuda::ep_readout_kernel<<<cuda::grid_for(w->g.m_cap, 8), 256, smem, st>>>(a, out, absent);
+  JSM_CUDA_TRY("dispatch readout", cudaGetLastError());
+  return "";
+}
+
+}  // namespace ep
+}  // namespace jsm

@@ -1,0 +1,52 @@
+// Host side of the multi-GPU dispatch engines `ce` and `sm` (ffi/cuda_ep.cu): the symmetric
+// windows of a Runtime (one set per dispatch geometry) and the dispatch itself. No CUDA types here,
+// so the pybind11 module (a plain C++ translation unit) can call it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/ep_window.h"
+
+namespace jsm {
+namespace ep {
+
+enum Engine : int { kCopyEngine = 1, kSmEngine = 2 };
+
+// Allocates (and zeroes) the windows of `ranks`, each on its CUDA device. Returns the set's id > 0,
+// or 0 with *err set.
+int64_t windows_create(int64_t R, int engine, int sm_blocks, const cuda::EpGeometry& g,
+                       const std::vector<int64_t>& ranks, const std::vector<int64_t>& devices,
+                       std::string* err);
+// One process holding every rank: enables peer access between the devices, fills the tables.
+std::string windows_connect_local(int64_t id);
+// Several processes: the CUDA IPC handle of a local rank's window, and opening every peer's.
+std::string window_ipc_handle(int64_t id, int64_t rank, std::string* handle);
+std::string windows_open(int64_t id, int64_t rank, const std::vector<std::string>& handles);
+void windows_destroy(int64_t id);
+// "" or the error a bounded wait of a kernel recorded (first local rank that has one).
+std::string error_message(int64_t id);
+
+struct SendIn {
+  const uint8_t* values;
+  const uint8_t* scales;
+  const int32_t* token;
+  const int32_t* slot;
+  const float* weight;
+  const int32_t* counts;  // [R * EL]
+};
+
+struct Options {
+  int64_t row_align;
+  double timeout_s;
+  int64_t fault_absent_rank, fault_delay_rank, fault_delay_ms;
+};
+
+// Runs one epoch of the protocol for the rank whose device is current, on `stream`.
+// Returns "" or an error message.
+std::string dispatch(void* stream, int64_t id, const cuda::EpGeometry& g, const SendIn& send,
+                     const cuda::LandedOut& out, const Options& opt);
+
+}  // namespace ep
+}  // namespace jsm

@@ -1,0 +1,30 @@
+// Launch-size helpers shared by the CUDA handlers (current device).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace jsm {
+namespace cuda {
+
+inline int num_sms() {
+  static int cached[64] = {};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev < 64 && cached[dev]) return cached[dev];
+  int n = 0;
+  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+  if (dev < 64) cached[dev] = n;
+  return n;
+}
+
+// Blocks for `items` work items, `per_block` each, at most 16 blocks per SM (grid-stride loops).
+inline int grid_for(int64_t items, int per_block) {
+  int64_t blocks = (items + per_block - 1) / per_block;
+  int64_t cap = int64_t(num_sms()) * 16;
+  return int(blocks < 1 ? 1 : (blocks < cap ? blocks : cap));
+}
+
+}  // namespace cuda
+}  // namespace jsm

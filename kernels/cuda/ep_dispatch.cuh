@@ -1,0 +1,271 @@
+// Device side of the multi-GPU dispatch engines (protocol: kernels/cuda/ep_window.h):
+//   ep_headers_kernel  the outgoing rows' 16-byte headers, so the `ce` engine copies a segment's
+//                      headers in one piece;
+//   ep_sm_kernel       engine `sm`: a few blocks put the plan and every segment to the peers with
+//                      stores over NVLink and raise the signals (no host involvement);
+//   ep_readout_kernel  both engines: wait (bounded) for every signal of this rank's slot, then
+//                      write the §4 outputs (landed rows, headers, padding, layout).
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "kernels/cuda/ep_window.h"
+#include "kernels/cuda/layout.cuh"
+
+namespace jsm {
+namespace cuda {
+
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+JSM_HD bool epoch_reached(uint32_t flag, uint32_t epoch) { return int32_t(flag - epoch) >= 0; }
+
+struct EpArgs {
+  PeerTable peers;
+  EpWindowLayout L;
+  EpGeometry g;
+  int rank;
+  uint32_t epoch;
+  int parity;
+  int64_t row_align;
+  uint64_t timeout_ns;
+  EpError* err;  // host-mapped
+  // this rank's send buffer (qpack / pack) and its counts [R * EL]
+  const int32_t* counts;
+  const uint8_t* values;
+  const uint8_t* scales;
+  const int32_t* token;
+  const int32_t* slot;
+  const float* weight;
+};
+
+__device__ __forceinline__ void record_error(const EpArgs& a, uint32_t code, uint32_t peer,
+                                             uint32_t expert) {
+  volatile EpError* e = a.err;
+  if (e->code != 0) return;
+  e->peer = peer;
+  e->expert = expert;
+  e->epoch = a.epoch;
+  __threadfence_system();
+  e->code = code;
+}
+
+template <class T>
+__device__ __forceinline__ T* at(uint8_t* base, int64_t offset) {
+  return reinterpret_cast<T*>(base + offset);
+}
+
+__global__ void ep_headers_kernel(const int32_t* token, const int32_t* slot, const float* weight,
+                                  int64_t n, int rank, RowHeader* out) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = RowHeader{rank, token[i], slot[i], weight[i]};
+}
+
+// Block-cooperative copy of n bytes at the widest width both ends' alignment allows.
+__device__ __forceinline__ void block_copy(uint8_t* dst, const uint8_t* src, int64_t n) {
+  const uintptr_t mis = (reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
+                         uintptr_t(n));
+  if ((mis & 15) == 0) {
+    for (int64_t i = threadIdx.x; i < n / 16; i += blockDim.x)
+      reinterpret_cast<uint4*>(dst)[i] = __ldcg(reinterpret_cast<const uint4*>(src) + i);
+  } else if ((mis & 3) == 0) {
+    for (int64_t i = threadIdx.x; i < n / 4; i += blockDim.x)
+      reinterpret_cast<uint32_t*>(dst)[i] = __ldcg(reinterpret_cast<const unsigned int*>(src) + i);
+  } else {
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+  }
+}
+
+// Waits (bounded) until plan_flag[p][s] of this rank's window has reached the epoch for every
+// source; false (and the error recorded) on timeout. All threads of the block call it.
+__device__ bool wait_plan(const EpArgs& a) {
+  uint8_t* own = a.peers.base[a.rank];
+  const uint32_t* flags = at<uint32_t>(own, a.L.plan_flag[a.parity]);
+  const uint64_t deadline = globaltimer_ns() + a.timeout_ns;
+  for (;;) {
+    bool ok = true;
+    int missing = -1;
+    for (int s = threadIdx.x; s < a.g.R; s += blockDim.x)
+      if (!epoch_reached(ld_acquire_sys(flags + s), a.epoch)) ok = false, missing = s;
+    if (__syncthreads_and(ok)) return true;
+    if (__syncthreads_or(threadIdx.x == 0 && globaltimer_ns() > deadline)) {  // block-uniform
+      if (missing >= 0) record_error(a, 1, missing, 0);
+      return false;
+    }
+    __nanosleep(500);
+  }
+}
+
+// Shared-memory layout of every destination for this source: base row and rows kept of each
+// (destination, expert) segment, and where the segment starts in the send buffer.
+struct SegmentTable {
+  int32_t* base;   // [R * EL]
+  int32_t* keep;   // [R * EL]
+  int32_t* start;  // [R * EL]
+  int32_t* scratch;  // [2 * EL + 1]
+  static __host__ __device__ size_t bytes(int64_t R, int64_t EL) {
+    return size_t(3 * R * EL + 3 * EL + 1) * sizeof(int32_t);
+  }
+};
+
+__device__ void build_segments(const EpArgs& a, SegmentTable t) {
+  const int R = int(a.g.R), EL = int(a.g.EL);
+  const int32_t* plan = at<const int32_t>(a.peers.base[a.rank], a.L.plan[a.parity]);
+  int32_t* totals = t.scratch;           // [EL]
+  int32_t* offsets = t.scratch + EL;     // [EL] (counts reuse totals' room after use: see below)
+  int32_t* counts = t.scratch + 2 * EL;  // [EL] + dropped
+  for (int d = 0; d < R; ++d) {
+    for (int e = threadIdx.x; e < EL; e += blockDim.x) {
+      int32_t sum = 0;
+      for (int s = 0; s < R; ++s) sum += plan[int64_t(s) * R * EL + d * EL + e];
+      totals[e] = sum;
+    }
+    __syncthreads();
+    landing_layout_smem(totals, EL, a.row_align, a.g.m_cap, offsets, counts, counts + EL);
+    for (int e = threadIdx.x; e < EL; e += blockDim.x) {
+      int64_t base = offsets[e];
+      for (int s = 0; s < a.rank; ++s) base += plan[int64_t(s) * R * EL + d * EL + e];
+      const int64_t n = a.counts[d * EL + e];
+      const int64_t room = int64_t(offsets[e]) + counts[e] - base;
+      t.base[d * EL + e] = int32_t(base);
+      t.keep[d * EL + e] = int32_t(n < room ? n : (room > 0 ? room : 0));
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    int32_t run = 0;
+    for (int i = 0; i < R * EL; ++i) t.start[i] = run, run += a.counts[i];
+  }
+  __syncthreads();
+}
+
+// Engine `sm`: block 0 first puts the plan; every block then waits for all plans and stores
+// segments q = blockIdx.x, + gridDim.x, ... (peers first, this rank last), raising each segment's
+// signal at its destination once its rows are stored.
+__global__ void __launch_bounds__(512) ep_sm_kernel(const EpArgs a) {
+  extern __shared__ int32_t smem[];
+  const int R = int(a.g.R), EL = int(a.g.EL);
+  const int64_t H = a.g.H, HS = H / kBlock;
+  if (blockIdx.x == 0) {
+    for (int d = 0; d < R; ++d) {
+      int32_t* dst = at<int32_t>(a.peers.base[d], a.L.plan[a.parity]) + int64_t(a.rank) * R * EL;
+      for (int i = threadIdx.x; i < R * EL; i += blockDim.x) dst[i] = a.counts[i];
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x < R)
+      st_release_sys(at<uint32_t>(a.peers.base[threadIdx.x], a.L.plan_flag[a.parity]) + a.rank,
+                     a.epoch);
+  }
+  if (!wait_plan(a)) return;
+  SegmentTable t{smem, smem + R * EL, smem + 2 * R * EL, smem + 3 * R * EL};
+  build_segments(a, t);
+  for (int q = blockIdx.x; q < R * EL; q += gridDim.x) {
+    const int d = (a.rank + 1 + q / EL) % R, e = q % EL, i = d * EL + e;
+    const int64_t keep = t.keep[i], base = t.base[i], from = t.start[i];
+    uint8_t* dst = a.peers.base[d];
+    block_copy(at<uint8_t>(dst, a.L.values[a.parity]) + base * H, a.values + from * H, keep * H);
+    block_copy(at<uint8_t>(dst, a.L.scales[a.parity]) + base * HS, a.scales + from * HS,
+               keep * HS);
+    RowHeader* hdr = at<RowHeader>(dst, a.L.headers[a.parity]) + base;
+    for (int64_t r = threadIdx.x; r < keep; r += blockDim.x)
+      hdr[r] = RowHeader{a.rank, a.token[from + r], a.slot[from + r], a.weight[from + r]};
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0)
+      st_release_sys(at<uint32_t>(dst, a.L.seg_flag[a.parity]) + int64_t(e) * R + a.rank, a.epoch);
+  }
+}
+
+// Both engines: wait for every (expert, source) signal of this rank's slot, then copy the slot to
+// the outputs in §4 order. The slot already holds the §4 layout (each source put its rows at their
+// final offsets), so landed row r is slot row r; padding rows are written here. absent: this rank
+// takes no part (fault injection): no rows, no wait.
+__global__ void ep_readout_kernel(const EpArgs a, LandedOut out, bool absent) {
+  extern __shared__ int32_t smem[];  // totals[EL], offsets[EL], counts[EL], dropped
+  const int R = int(a.g.R), EL = int(a.g.EL);
+  const int64_t H = a.g.H, HS = H / kBlock, m_cap = a.g.m_cap;
+  uint8_t* own = a.peers.base[a.rank];
+  int32_t* totals = smem;
+  int32_t* offsets = smem + EL;
+  int32_t* counts = smem + 2 * EL;
+  if (!absent) {
+    const uint32_t* flags = at<const uint32_t>(own, a.L.seg_flag[a.parity]);
+    const uint64_t deadline = globaltimer_ns() + a.timeout_ns;
+    for (;;) {
+      bool ok = true;
+      int missing = -1;
+      for (int i = threadIdx.x; i < R * EL; i += blockDim.x)
+        if (!epoch_reached(ld_acquire_sys(flags + i), a.epoch)) ok = false, missing = i;
+      if (__syncthreads_and(ok)) break;
+      if (__syncthreads_or(threadIdx.x == 0 && globaltimer_ns() > deadline)) {
+        if (missing >= 0) record_error(a, 2, missing % R, missing / R);
+        break;  // the rows are not trusted; the error surfaces at the next host check
+      }
+      __nanosleep(1000);
+    }
+    const int32_t* plan = at<const int32_t>(own, a.L.plan[a.parity]);
+    for (int e = threadIdx.x; e < EL; e += blockDim.x) {
+      int32_t sum = 0;
+      for (int s = 0; s < R; ++s) sum += plan[int64_t(s) * R * EL + a.rank * EL + e];
+      totals[e] = sum;
+    }
+  } else {
+    for (int e = threadIdx.x; e < EL; e += blockDim.x) totals[e] = 0;
+  }
+  __syncthreads();
+  landing_layout_smem(totals, EL, a.row_align, m_cap, offsets, counts, counts + EL);
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    int32_t rows = 0;
+    for (int e = 0; e < EL; ++e) {
+      out.expert_offsets[e] = offsets[e];
+      out.expert_counts[e] = counts[e];
+      rows += counts[e];
+    }
+    *out.num_rows = rows;
+    *out.overflow = counts[EL];
+  }
+  const uint8_t* values = at<const uint8_t>(own, a.L.values[a.parity]);
+  const uint8_t* scales = at<const uint8_t>(own, a.L.scales[a.parity]);
+  const RowHeader* hdr = at<const RowHeader>(own, a.L.headers[a.parity]);
+  const int lane = threadIdx.x % kWarp;
+  for (int64_t r = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / kWarp; r < m_cap;
+       r += int64_t(gridDim.x) * blockDim.x / kWarp) {
+    const bool landed = expert_of_row(offsets, counts, EL, r) >= 0;
+    uint4* dst = reinterpret_cast<uint4*>(out.values + r * H);
+    const uint4* src = reinterpret_cast<const uint4*>(values + r * H);
+    for (int64_t c = lane; c < H / 16; c += kWarp)
+      dst[c] = landed ? __ldcg(src + c) : make_uint4(0, 0, 0, 0);
+    for (int64_t c = lane; c < HS; c += kWarp)
+      out.scales[r * HS + c] = landed ? __ldcg(scales + r * HS + c) : uint8_t(0);
+    if (lane == 0) {
+      RowHeader h{-1, -1, -1, 0.0f};
+      if (landed) {
+        const int4 v = __ldcg(reinterpret_cast<const int4*>(hdr + r));
+        h = RowHeader{v.x, v.y, v.z, __int_as_float(v.w)};
+      }
+      out.src_rank[r] = h.src_rank;
+      out.token[r] = h.token;
+      out.slot[r] = h.slot;
+      out.weight[r] = h.weight;
+    }
+  }
+}
+
+}  // namespace cuda
+}  // namespace jsm
