@@ -185,7 +185,7 @@ std::string put(CopyBatch& b, cudaStream_t st) {
     cudaGetLastError();
     for (size_t i = 0; i < b.dst.size(); ++i)
       JSM_CUDA_TRY("dispatch ce copy",
-                   cudaMemcpyAsync(b.dst[i], b.src[i], b.bytes[i], cudaMemcpyDeviceToDevice, st));
+                   cudaMemcpyAsync(b.dst[i], b.src[i], b.bytes[i], cudaMemcpyDefault, st));
   }
   b.clear();
   return "";
@@ -223,7 +223,7 @@ std::string dispatch_ce(cudaStream_t st, const WindowSet& w, LocalRank& me, cons
   for (int64_t d = 0; d < R; ++d) {
     JSM_CUDA_TRY("dispatch ce plan",
                  cudaMemcpyAsync(at<int32_t>(me.peers.base[d], L.plan[p]) + rank * R * EL,
-                                 a.counts, size_t(R * EL) * 4, cudaMemcpyDeviceToDevice, st));
+                                 a.counts, size_t(R * EL) * 4, cudaMemcpyDefault, st));
     flags.push_back(at<uint32_t>(me.peers.base[d], L.plan_flag[p]) + rank);
   }
   std::string err = write_flags(st, flags, a.epoch);

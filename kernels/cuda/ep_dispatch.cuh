@@ -132,14 +132,14 @@ __device__ void build_segments(const EpArgs& a, SegmentTable t) {
   for (int d = 0; d < R; ++d) {
     for (int e = threadIdx.x; e < EL; e += blockDim.x) {
       int32_t sum = 0;
-      for (int s = 0; s < R; ++s) sum += plan[int64_t(s) * R * EL + d * EL + e];
+      for (int s = 0; s < R; ++s) sum += __ldcg(plan + int64_t(s) * R * EL + d * EL + e);
       totals[e] = sum;
     }
     __syncthreads();
     landing_layout_smem(totals, EL, a.row_align, a.g.m_cap, offsets, counts, counts + EL);
     for (int e = threadIdx.x; e < EL; e += blockDim.x) {
       int64_t base = offsets[e];
-      for (int s = 0; s < a.rank; ++s) base += plan[int64_t(s) * R * EL + d * EL + e];
+      for (int s = 0; s < a.rank; ++s) base += __ldcg(plan + int64_t(s) * R * EL + d * EL + e);
       const int64_t n = a.counts[d * EL + e];
       const int64_t room = int64_t(offsets[e]) + counts[e] - base;
       t.base[d * EL + e] = int32_t(base);
@@ -205,14 +205,17 @@ __global__ void ep_readout_kernel(const EpArgs a, LandedOut out, bool absent) {
   int32_t* offsets = smem + EL;
   int32_t* counts = smem + 2 * EL;
   if (!absent) {
+    // a wait of this call (the sm kernel's plan) already ran out: the call is failed, don't wait
+    const bool failed =  // block-uniform
+        __syncthreads_or(threadIdx.x == 0 && static_cast<volatile EpError*>(a.err)->code != 0);
     const uint32_t* flags = at<const uint32_t>(own, a.L.seg_flag[a.parity]);
     const uint64_t deadline = globaltimer_ns() + a.timeout_ns;
     for (;;) {
-      bool ok = true;
+      bool ok = !failed;
       int missing = -1;
-      for (int i = threadIdx.x; i < R * EL; i += blockDim.x)
+      for (int i = threadIdx.x; i < R * EL && !failed; i += blockDim.x)
         if (!epoch_reached(ld_acquire_sys(flags + i), a.epoch)) ok = false, missing = i;
-      if (__syncthreads_and(ok)) break;
+      if (__syncthreads_and(ok) || failed) break;
       if (__syncthreads_or(threadIdx.x == 0 && globaltimer_ns() > deadline)) {
         if (missing >= 0) record_error(a, 2, missing % R, missing / R);
         break;  // the rows are not trusted; the error surfaces at the next host check
@@ -222,7 +225,7 @@ __global__ void ep_readout_kernel(const EpArgs a, LandedOut out, bool absent) {
     const int32_t* plan = at<const int32_t>(own, a.L.plan[a.parity]);
     for (int e = threadIdx.x; e < EL; e += blockDim.x) {
       int32_t sum = 0;
-      for (int s = 0; s < R; ++s) sum += plan[int64_t(s) * R * EL + a.rank * EL + e];
+      for (int s = 0; s < R; ++s) sum += __ldcg(plan + int64_t(s) * R * EL + a.rank * EL + e);
       totals[e] = sum;
     }
   } else {

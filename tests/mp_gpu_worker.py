@@ -1,0 +1,99 @@
+"""One process of a two-process GPU Stage1 run (the `mpirun -n R` launch mode), started by
+test_multigpu.py with one visible GPU each: python mp_gpu_worker.py PROCESS_ID NUM_PROCESSES PORT
+SEED. Each process holds one rank; engines ce, sm and xla must land the same bytes on it, equal to
+the reference layout with h of sampled experts within §3, and 20 back-to-back calls per engine
+stay correct. Prints 'OK rank N' on success."""
+import os
+import sys
+
+pid, nproc, port, seed = (int(a) for a in sys.argv[1:5])
+
+import jax  # noqa: E402
+
+jax.distributed.initialize(f"localhost:{port}", num_processes=nproc, process_id=pid)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import _util  # noqa: E402
+import jax_sdma_moe as jsm  # noqa: E402
+from jax_sdma_moe import reference  # noqa: E402
+
+R = nproc
+mesh = jax.sharding.Mesh(np.array(jax.devices()), ("ep",))
+spec = NamedSharding(mesh, P("ep"))
+local = jax.local_devices()[0]
+
+
+def global_array(host):
+  """[R * n, ...] on the host -> the global array whose rank-pid shard is this process's part."""
+  host = np.asarray(host)
+  n = host.shape[0] // R
+  return jax.make_array_from_process_local_data(spec, host[pid * n:(pid + 1) * n])
+
+
+def mine(tree):
+  return jax.tree.map(lambda a: np.asarray(a.addressable_shards[0].data)[0], tree)
+
+
+def run(shape_name, T, r, iters=1):
+  s = jsm.SHAPES[shape_name]
+  E, K, EL = s.num_experts, s.topk, s.num_experts // R
+  with jax.default_device(local):
+    w1 = jax.random.normal(jax.random.key(seed), (E, 2 * s.intermediate, s.hidden), jnp.bfloat16
+                           ) * jnp.bfloat16(1.0 / np.sqrt(s.hidden))
+    w1q = jax.block_until_ready(jax.jit(jsm.quantize_w1)(w1))
+    del w1
+  w1s = jax.tree.map(lambda a: global_array(np.asarray(a)), w1q)
+  runtimes = {e: jsm.Runtime(mesh, "ep", jsm.Stage1Config(engine=e, swiglu_limit=s.swiglu_limit))
+              for e in ("ce", "sm", "xla")}
+  fns = {e: jax.jit(jax.shard_map(
+      lambda x, i, w, q, rt=rt: jax.tree.map(lambda a: a[None], jsm.stage1(x, (i, w), q, runtime=rt)),
+      mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))) for e, rt in runtimes.items()}
+  for it in range(iters):
+    routing = ("uniform", "skewed", "masked")[it % 3]
+    x = np.asarray(jnp.asarray(r.standard_normal((R * T, s.hidden)), jnp.bfloat16))
+    ids = np.asarray(_util.make_ids(r, R, T, K, E, routing))
+    w = r.random((R * T, K)).astype(np.float32)
+    outs = {e: mine(f(global_array(x), global_array(ids), global_array(w), w1s))
+            for e, f in fns.items()}
+    for e in ("sm", "xla"):
+      for name, a, b in zip(outs["ce"]._fields, outs["ce"], outs[e]):
+        np.testing.assert_array_equal(_util.as_bytes(a), _util.as_bytes(b),
+                                      err_msg=f"{shape_name} T={T} {routing}: {name} ce vs {e}")
+    cap = jsm.layout.m_cap(R, T, K, EL, 128)
+    with jax.default_device(local):
+      landed = jax.jit(reference.dispatch, static_argnums=(3, 4, 5))(
+          jax.tree.map(lambda a: a.reshape(R, T, *a.shape[1:]), jsm.quantize(jnp.asarray(x))),
+          jnp.asarray(ids).reshape(R, T, K), jnp.asarray(w).reshape(R, T, K), E, 128, cap)
+      out = outs["ce"]
+      for name in ("expert_offsets", "expert_counts", "src_rank", "src_token", "topk_slot",
+                   "topk_weight", "num_rows", "overflow"):
+        np.testing.assert_array_equal(getattr(out, name), np.asarray(getattr(landed, name))[pid],
+                                      err_msg=name)
+      offs, cnts = out.expert_offsets, out.expert_counts
+      got = np.asarray(out.h, np.float32)
+      for e in sorted({int(e) for e in pick.choice(np.flatnonzero(cnts), 3)}):
+        rows = slice(int(offs[e]), int(offs[e] + cnts[e]))
+        ref = reference.expert_h32(landed.values[pid, rows], landed.scales[pid, rows],
+                                   jax.tree.map(lambda a: a[pid * EL + e], w1q), s.swiglu_limit)
+
+        class Tc:  # check_block's assertions, outside a TestCase
+          def assertFalse(self, c, m): assert not c, m
+          def assertLessEqual(self, a, b, m): assert a <= b, f"{m}: {a} > {b}"
+        _util.check_block(Tc(), got[rows], ref, "bf16", f"{shape_name} T={T} expert {e}")
+  for rt in runtimes.values():
+    rt.check()
+    rt.close()
+
+
+r = np.random.default_rng(seed)  # the same problems in every process
+pick = np.random.default_rng(seed + 1 + pid)  # this rank's sampled experts
+run("small", 128, r, iters=20)
+run("small", 1, r)
+run("dsv3", 128, r)
+run("dsv3", 4096, r)
+print(f"OK rank {pid}", flush=True)

@@ -1,0 +1,209 @@
+"""Stage1 across GPUs (engines ce, sm and xla), one process holding two GPUs, and two processes
+with one GPU each (the `mpirun -n 2` launch mode, started here through jax.distributed flags).
+Skipped without two CUDA GPUs; JSM_REQUIRE_CUDA=1 turns that skip into a failure (device runs)."""
+import os
+import socket
+import subprocess
+import sys
+
+import _util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+import jax_sdma_moe as jsm
+from jax_sdma_moe import reference
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+try:
+  GPUS = jax.devices("gpu")
+except RuntimeError:
+  GPUS = []
+ENOUGH = len(GPUS) >= 2 and jsm.primitives._extension().has_cuda()
+WHY = None if ENOUGH else "needs two CUDA GPUs and a build with the CUDA kernels"
+if not ENOUGH and os.environ.get("JSM_REQUIRE_CUDA") == "1":
+  raise RuntimeError(f"JSM_REQUIRE_CUDA=1 but {WHY} ({len(GPUS)} GPUs)")
+
+R = 2
+ENGINES = ("ce", "sm", "xla")
+LANDED = ("expert_offsets", "expert_counts", "src_rank", "src_token", "topk_slot", "topk_weight",
+          "num_rows", "overflow")
+CASES = [(f"{s}_{routing}_T{T}", s, routing, T) for s in ("small", "dsv3")
+         for routing in ("uniform", "skewed", "masked") for T in (1, 128, 4096)]
+
+
+def gpu_mesh():
+  return jax.sharding.Mesh(np.array(GPUS[:R]), ("ep",))
+
+
+def problem(r, shape, T, routing):
+  """Inputs of all ranks, stacked [R*T, ...], on the host (sharded by _util.shard)."""
+  x = jnp.asarray(r.standard_normal((R * T, shape.hidden)) * r.uniform(0.5, 2, (R * T, 1)),
+                  jnp.bfloat16)
+  ids = _util.make_ids(r, R, T, shape.topk, shape.num_experts, routing)
+  w = jnp.asarray(r.random((R * T, shape.topk)), jnp.float32)
+  return x, ids, w
+
+
+def check_against_reference(tc, out, x, ids, w, w1q, shape, cfg, T, r):
+  """Layout equal to reference.dispatch for every rank; h of sampled experts within §3."""
+  E, K = shape.num_experts, shape.topk
+  EL = E // R
+  cap = jsm.layout.m_cap(R, T, K, EL, cfg.row_align)
+  with jax.default_device(GPUS[0]):
+    landed = jax.jit(reference.dispatch, static_argnums=(3, 4, 5))(
+        jax.tree.map(lambda a: a.reshape(R, T, *a.shape[1:]), jsm.quantize(x)),
+        ids.reshape(R, T, K), w.reshape(R, T, K), E, cfg.row_align, cap)
+    for name in LANDED:
+      np.testing.assert_array_equal(np.asarray(getattr(out, name)),
+                                    np.asarray(getattr(landed, name)), err_msg=name)
+    h = out.h
+    got = _util.h_float(h)
+    for rank in range(R):
+      offs, cnts = np.asarray(out.expert_offsets[rank]), np.asarray(out.expert_counts[rank])
+      rows_landed = np.zeros(got.shape[1], bool)
+      for e in range(EL):
+        rows_landed[offs[e]:offs[e] + cnts[e]] = True
+      tc.assertTrue((got[rank][~rows_landed] == 0).all(), f"rank {rank}: padding rows must be 0")
+      nonempty = np.flatnonzero(cnts)
+      pick = set(nonempty[:1]) | set(nonempty[-1:]) | set(r.choice(nonempty, min(3, len(nonempty)),
+                                                                   replace=False))
+      for e in sorted(int(e) for e in pick):
+        rows = slice(int(offs[e]), int(offs[e] + cnts[e]))
+        ref = reference.expert_h32(landed.values[rank, rows], landed.scales[rank, rows],
+                                   jax.tree.map(lambda a: a[rank * EL + e], w1q), cfg.swiglu_limit)
+        _util.check_block(tc, got[rank, rows], ref, cfg.out_dtype, f"rank {rank} expert {e}")
+
+
+@absltest.skipIf(not ENOUGH, WHY or "")
+class MultiGpuStage1Test(parameterized.TestCase):
+  weights = {}
+
+  @classmethod
+  def w1q(cls, name):
+    if name not in cls.weights:
+      cls.weights.clear()
+      s = jsm.SHAPES[name]
+      key = jax.random.key(np.random.SeedSequence().entropy % (2**31))
+      with jax.default_device(GPUS[0]):
+        w1 = jax.random.normal(key, (s.num_experts, 2 * s.intermediate, s.hidden), jnp.bfloat16
+                               ) * jnp.bfloat16(1.0 / np.sqrt(s.hidden))
+        cls.weights[name] = jax.block_until_ready(jax.jit(jsm.quantize_w1)(w1))
+    return cls.weights[name]
+
+  def run_engines(self, shape_name, inputs, engines=ENGINES, **cfg_kw):
+    s = jsm.SHAPES[shape_name]
+    mesh = gpu_mesh()
+    w1q = self.w1q(shape_name)
+    outs = {}
+    for engine in engines:
+      cfg = jsm.Stage1Config(engine=engine, swiglu_limit=s.swiglu_limit, **cfg_kw)
+      with jsm.Runtime(mesh, "ep", cfg) as rt:
+        f = _util.stage1_fn(mesh, rt)
+        outs[engine] = jax.tree.map(np.asarray, f(*_util.shard(mesh, inputs), rt.shard_w1(w1q)))
+        rt.check()
+    return outs, cfg
+
+  @parameterized.named_parameters(*CASES)
+  def test_engines_against_reference(self, shape_name, routing, T):
+    """ce, sm and xla land the same bytes (h included: same GEMM); the layout equals the
+    reference's and h of sampled experts is within the §3 tolerance."""
+    r = _util.rng()
+    s = jsm.SHAPES[shape_name]
+    x, ids, w = problem(r, s, T, routing)
+    outs, cfg = self.run_engines(shape_name, (x, ids, w))
+    for engine in ENGINES[1:]:
+      for name, a, b in zip(outs["ce"]._fields, outs["ce"], outs[engine]):
+        np.testing.assert_array_equal(_util.as_bytes(a), _util.as_bytes(b),
+                                      err_msg=f"{name}: ce vs {engine}")
+    check_against_reference(self, outs["ce"], x, ids, w, self.w1q(shape_name), s, cfg, T, r)
+
+  @parameterized.parameters("ce", "sm")
+  def test_200_back_to_back(self, engine):
+    """200 calls, fresh inputs each, every one checked against the reference."""
+    r = _util.rng()
+    s = jsm.SHAPES["small"]
+    T = 64
+    mesh = gpu_mesh()
+    _, _, _, w1q = _util.make_problem(r, R, 1, s.hidden, s.intermediate, s.num_experts, s.topk)
+    cfg = jsm.Stage1Config(engine=engine)
+    with jsm.Runtime(mesh, "ep", cfg) as rt:
+      f = _util.stage1_fn(mesh, rt)
+      w1s = rt.shard_w1(w1q)
+      ref_fn = jax.jit(lambda x, i, w: _util.reference(x, i, w, w1q, R, cfg, T))
+      for i in range(200):
+        x, ids, w = problem(r, s, T, ("uniform", "masked", "skewed")[i % 3])
+        out = jax.tree.map(np.asarray, f(*_util.shard(mesh, (x, ids, w)), w1s))
+        ref, h32 = ref_fn(x, ids, w)
+        _util.check_stage1(self, out, ref, h32, "bf16")
+      rt.check()
+
+  @parameterized.parameters("ce", "sm")
+  def test_delayed_rank(self, engine):
+    """Rank 1 starts 300 ms late: rank 0 waits for it, and both finish correctly."""
+    r = _util.rng()
+    x, ids, w = problem(r, jsm.SHAPES["small"], 128, "uniform")
+    outs, _ = self.run_engines("small", (x, ids, w), engines=("xla", engine),
+                               fault_delay_rank=1, fault_delay_ms=300)
+    for name, a, b in zip(outs["xla"]._fields, outs["xla"], outs[engine]):
+      np.testing.assert_array_equal(_util.as_bytes(a), _util.as_bytes(b), err_msg=name)
+
+  @parameterized.parameters("ce", "sm")
+  def test_absent_peer_times_out(self, engine):
+    """Rank 1 never takes part: rank 0 gives up after timeout_s with an error naming rank 1
+    (engine ce: the call fails; engine sm, which has no host step: Runtime.check() and the next
+    call fail), never a hang."""
+    r = _util.rng()
+    s = jsm.SHAPES["small"]
+    mesh = gpu_mesh()
+    cfg = jsm.Stage1Config(engine=engine, timeout_s=0.5, fault_absent_rank=1)
+    x, ids, w = problem(r, s, 32, "uniform")
+    _, _, _, w1q = _util.make_problem(r, R, 1, s.hidden, s.intermediate, s.num_experts, s.topk)
+    rt = jsm.Runtime(mesh, "ep", cfg)
+    f = _util.stage1_fn(mesh, rt)
+    args = (*_util.shard(mesh, (x, ids, w)), rt.shard_w1(w1q))
+    with self.assertRaisesRegex(Exception, r"rank 0 timed out .* from peer rank 1"):
+      jax.block_until_ready(f(*args))
+      rt.check()
+    if engine == "sm":
+      with self.assertRaisesRegex(Exception, r"peer rank 1"):
+        jax.block_until_ready(f(*args))
+
+
+def free_port():
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+@absltest.skipIf(not ENOUGH, WHY or "")
+class TwoProcessTest(absltest.TestCase):
+
+  def test_two_processes_one_gpu_each(self):
+    """The mpirun launch mode: each process owns one GPU and one rank; windows are opened from
+    CUDA IPC handles exchanged through jax.distributed; every engine checked on every rank."""
+    port, seed = free_port(), int(np.random.SeedSequence().entropy % (2**31))
+    procs = []
+    for i in range(R):
+      env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+      env["CUDA_VISIBLE_DEVICES"] = str(GPUS[i].local_hardware_id)
+      procs.append(subprocess.Popen(
+          [sys.executable, os.path.join(HERE, "mp_gpu_worker.py"), str(i), str(R), str(port),
+           str(seed)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = []
+    for p in procs:
+      try:
+        outs.append(p.communicate(timeout=400)[0])
+      except subprocess.TimeoutExpired:
+        for q in procs:
+          q.kill()
+        self.fail(f"two-process run timed out (seed {seed})")
+    for i, (p, out) in enumerate(zip(procs, outs)):
+      self.assertEqual(p.returncode, 0, f"process {i} failed (seed {seed}):\n{out[-4000:]}")
+      self.assertIn(f"OK rank {i}", out)
+
+
+if __name__ == "__main__":
+  absltest.main()
