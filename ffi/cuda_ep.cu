@@ -47,6 +47,8 @@ struct LocalRank {
   EpError* err_dev = nullptr;
   uint32_t* h_flags = nullptr;  // pinned
   int32_t* h_plan = nullptr;    // pinned
+  cudaStream_t side = nullptr;  // row copies (ce) or the sm kernel, beside XLA's stream
+  cudaEvent_t fork = nullptr, join = nullptr;
 };
 
 struct WindowSet {
@@ -199,6 +201,9 @@ void free_rank(LocalRank& l) {
   if (l.err_host) cudaFreeHost(l.err_host);
   if (l.h_flags) cudaFreeHost(l.h_flags);
   if (l.h_plan) cudaFreeHost(l.h_plan);
+  if (l.side) cudaStreamDestroy(l.side);
+  if (l.fork) cudaEventDestroy(l.fork);
+  if (l.join) cudaEventDestroy(l.join);
   l = LocalRank{};
 }
 
@@ -207,16 +212,17 @@ T* at(uint8_t* base, int64_t offset) {
   return reinterpret_cast<T*>(base + offset);
 }
 
-// Engine ce, steps 1-3 of the protocol for rank `me` (the readout follows on the stream).
-std::string dispatch_ce(cudaStream_t st, const WindowSet& w, LocalRank& me, const cuda::EpArgs& a,
-                        const Options& opt) {
+// Engine ce, steps 1-3 of the protocol for rank `me`: the plan on XLA's stream `st` (the host waits
+// on it), the headers and rows on `side` (which already follows everything before on `st`).
+std::string dispatch_ce(cudaStream_t st, cudaStream_t side, const WindowSet& w, LocalRank& me,
+                        const cuda::EpArgs& a, const Options& opt) {
   const int64_t R = w.R, EL = w.g.EL, H = w.g.H, HS = H / kBlock, S = w.g.send_rows;
   const int p = a.parity, rank = me.rank;
   const EpWindowLayout& L = w.L;
   cuda::RowHeader* headers = at<cuda::RowHeader>(me.own, L.send_headers);
   if (S > 0)
-    cuda::ep_headers_kernel<<<cuda::grid_for(S, 256), 256, 0, st>>>(a.token, a.slot, a.weight, S,
-                                                                     rank, headers);
+    cuda::ep_headers_kernel<<<cuda::grid_for(S, 256), 256, 0, side>>>(a.token, a.slot, a.weight,
+                                                                       S, rank, headers);
   JSM_CUDA_TRY("dispatch ce headers", cudaGetLastError());
   // 1. the plan to every destination, then its flag
   std::vector<uint32_t*> flags;
@@ -284,8 +290,8 @@ std::string dispatch_ce(cudaStream_t st, const WindowSet& w, LocalRank& me, cons
                   size_t(keep) * sizeof(cuda::RowHeader));
         flags.push_back(at<uint32_t>(dst, L.seg_flag[p]) + e * R + rank);
       }
-      err = put(batch, st);
-      if (err.empty()) err = write_flags(st, flags, a.epoch);
+      err = put(batch, side);
+      if (err.empty()) err = write_flags(side, flags, a.epoch);
       if (!err.empty()) return err;
     }
   }
@@ -326,6 +332,9 @@ int64_t windows_create(int64_t R, int engine, int sm_blocks, const EpGeometry& g
     if (e == cudaSuccess) e = cudaHostGetDevicePointer(&l.err_dev, l.err_host, 0);
     if (e == cudaSuccess) e = cudaMallocHost(&l.h_flags, size_t(R) * 4);
     if (e == cudaSuccess) e = cudaMallocHost(&l.h_plan, size_t(R * R * g.EL) * 4);
+    if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&l.side, cudaStreamNonBlocking);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&l.fork, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&l.join, cudaEventDisableTiming);
     if (e == cudaSuccess) e = cudaDeviceSynchronize();
     l.peers.base[l.rank] = l.own;
     w->local.push_back(l);
@@ -425,7 +434,8 @@ std::string error_message(int64_t id) {
 }
 
 std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendIn& send,
-                     const cuda::LandedOut& out, const Options& opt) {
+                     const cuda::LandedOut& out, const Options& opt, GemmLaunch gemm,
+                     void* gemm_ctx) {
   auto w = find_set(id);
   if (!w) return "jax_sdma_moe dispatch: unknown or closed Runtime window set (" +
                  std::to_string(id) + ")";
@@ -448,27 +458,45 @@ std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendIn
   a.counts = send.counts, a.values = send.values, a.scales = send.scales;
   a.token = send.token, a.slot = send.slot, a.weight = send.weight;
   const bool absent = opt.fault_absent_rank == me->rank;
+  int sm_blocks = 0;
   if (!absent) {
     if (opt.fault_delay_rank == me->rank)
       std::this_thread::sleep_for(std::chrono::milliseconds(opt.fault_delay_ms));
     a.epoch = ++me->epoch;
     a.parity = int(a.epoch & 1);
+    JSM_CUDA_TRY("dispatch fork", cudaEventRecord(me->fork, st));
+    JSM_CUDA_TRY("dispatch fork", cudaStreamWaitEvent(me->side, me->fork, 0));
     if (w->engine == kSmEngine) {
       const int smem = int(cuda::SegmentTable::bytes(w->R, w->g.EL));
       JSM_CUDA_TRY("dispatch sm",
                    cudaFuncSetAttribute(cuda::ep_sm_kernel,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-      const int blocks = std::min(w->sm_blocks, cuda::num_sms());
-      cuda::ep_sm_kernel<<<blocks, 512, smem, st>>>(a);
+      sm_blocks = std::min(w->sm_blocks, cuda::num_sms() - 1);
+      cuda::ep_sm_kernel<<<sm_blocks, 512, smem, me->side>>>(a);
       JSM_CUDA_TRY("dispatch sm", cudaGetLastError());
     } else {
-      err = dispatch_ce(st, *w, *me, a, opt);
+      err = dispatch_ce(st, me->side, *w, *me, a, opt);
       if (!err.empty()) return err;
     }
   }
-  const int smem = int(3 * w->g.EL + 1) * 4;
-  cuda::ep_readout_kernel<<<cuda::grid_for(w->g.m_cap, 8), 256, smem, st>>>(a, out, absent);
-  JSM_CUDA_TRY("dispatch readout", cudaGetLastError());
+  const int64_t EL = w->g.EL;
+  cuda::ep_layout_kernel<<<1, 256, int(3 * EL + 1) * 4, st>>>(a, out, absent);
+  JSM_CUDA_TRY("dispatch layout", cudaGetLastError());
+  if (gemm) {
+    SlotView slot{at<uint8_t>(me->own, w->L.values[a.parity]),
+                  at<uint8_t>(me->own, w->L.scales[a.parity]),
+                  absent ? nullptr : at<uint32_t>(me->own, w->L.seg_flag[a.parity]),
+                  int(w->R), a.epoch, a.timeout_ns, me->err_dev, cuda::num_sms() - sm_blocks};
+    err = gemm(slot, st, gemm_ctx);
+    if (!err.empty()) return err;
+  }
+  cuda::ep_rows_kernel<<<cuda::grid_for(w->g.m_cap, 8), 256, int(2 * EL) * 4, st>>>(
+      a, out, absent, gemm == nullptr);
+  JSM_CUDA_TRY("dispatch rows", cudaGetLastError());
+  if (!absent) {  // XLA may reuse the send buffer once the call is done on its stream
+    JSM_CUDA_TRY("dispatch join", cudaEventRecord(me->join, me->side));
+    JSM_CUDA_TRY("dispatch join", cudaStreamWaitEvent(st, me->join, 0));
+  }
   return "";
 }
 

@@ -43,10 +43,29 @@ struct Options {
   int64_t fault_absent_rank, fault_delay_rank, fault_delay_ms;
 };
 
-// Runs one epoch of the protocol for the rank whose device is current, on `stream`.
-// Returns "" or an error message.
+// This epoch's landing slot as the fused GEMM reads it: rows of expert e may be read once
+// arrival[e * R + s] has reached `epoch` for every source s (null arrival: nothing to wait for).
+struct SlotView {
+  const uint8_t* values;  // [m_cap, H]
+  const uint8_t* scales;  // [m_cap, H/32]
+  const uint32_t* arrival;
+  int R;
+  uint32_t epoch;
+  uint64_t timeout_ns;
+  cuda::EpError* err;
+  int sms;  // SMs the GEMM may occupy (the sm engine keeps some)
+};
+// Launches the GEMM on `stream` (a cudaStream_t); returns "" or an error.
+using GemmLaunch = std::string (*)(const SlotView& slot, void* stream, void* ctx);
+
+// Runs one epoch of the protocol for the rank whose device is current, on `stream` (XLA's) and
+// the rank's side stream (the row copies, or the sm kernel), joined back before returning.
+// Without gemm: the landed rows are copied to out (out.values, out.scales). With gemm: it runs
+// between the layout and the headers, reading the rows from the slot as they land (out.values
+// and out.scales are unused). Returns "" or an error message.
 std::string dispatch(void* stream, int64_t id, const cuda::EpGeometry& g, const SendIn& send,
-                     const cuda::LandedOut& out, const Options& opt);
+                     const cuda::LandedOut& out, const Options& opt, GemmLaunch gemm = nullptr,
+                     void* gemm_ctx = nullptr);
 
 }  // namespace ep
 }  // namespace jsm

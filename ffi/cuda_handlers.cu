@@ -131,6 +131,13 @@ ffi::Error PackImpl(cudaStream_t stream, ffi::AnyBuffer x_values, ffi::AnyBuffer
                             scales, token, slot, weight);
 }
 
+ffi::Error ep_error(const std::string& err) {
+  if (err.empty()) return ffi::Error::Success();
+  return ffi::Error(err.find("timed out") != std::string::npos ? ffi::ErrorCode::kDeadlineExceeded
+                                                               : ffi::ErrorCode::kInternal,
+                    err);
+}
+
 // runtime_id 0: engine "local" (R = 1, one copy kernel); otherwise the window set of a Runtime
 // with engine "ce" or "sm" (ffi/cuda_ep.cu).
 ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer values, ffi::AnyBuffer scales, S32Vec token,
@@ -158,11 +165,7 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer values, ffi::AnyBuff
         stream, runtime_id, g, send, out,
         jsm::ep::Options{row_align, timeout_s, fault_absent_rank, fault_delay_rank,
                          fault_delay_ms});
-    if (err.empty()) return ffi::Error::Success();
-    return ffi::Error(err.find("timed out") != std::string::npos
-                          ? ffi::ErrorCode::kDeadlineExceeded
-                          : ffi::ErrorCode::kInternal,
-                      err);
+    return ep_error(err);
   }
   if (send_counts.dimensions()[0] != 1)
     return ffi::Error::InvalidArgument(
@@ -186,85 +189,147 @@ bool scales_aligned(const jsm::cuda::Gemm1Args& g, int kb) {
 
 template <class Kernel>
 void launch_persistent(Kernel kernel, int threads, int smem, const jsm::cuda::Gemm1Args& g,
-                       cudaStream_t stream) {
+                       int grid, cudaStream_t stream) {
   // per call: the attribute belongs to the current device's context
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  kernel<<<num_sms(), threads, smem, stream>>>(g);
+  kernel<<<grid, threads, smem, stream>>>(g);
 }
 
-template <class C>
-void launch_gemm1(jsm::cuda::Gemm1Args g, cudaStream_t stream) {
+// g's rows, layout, weights and h outputs are set. Zeroes h's padding rows, then runs the
+// persistent GEMM on `grid` CTAs (one per SM it may use).
+ffi::Error launch_gemm1(jsm::cuda::Gemm1Args g, int grid, cudaStream_t stream) {
   namespace v1 = jsm::cuda::gemm1_v1;
-  g.scales_aligned = scales_aligned(g, C::KB);
-  launch_persistent(v1::gemm1_kernel<C>, v1::THREADS, C::kSmemBytes, g, stream);
+  namespace v3 = jsm::cuda::gemm1_v3;
+  const int64_t row_bytes = g.h_bf16 ? g.I * 2 : g.I;
+  const int64_t scale_bytes = g.h_bf16 ? 0 : g.I / jsm::kBlock;
+  jsm::cuda::zero_padding_rows_kernel<<<grid_for(g.m_cap, 8), 256, 2 * g.EL * sizeof(int32_t),
+                                        stream>>>(
+      g.offsets, g.counts, g.EL, g.m_cap, row_bytes,
+      g.h_bf16 ? reinterpret_cast<uint8_t*>(g.h_bf16) : g.h_values, g.h_scales, scale_bytes);
+  JSM_RETURN_IF_ERROR(last_error("gemm1 padding"));
+  if (g.m_cap == 0) return ffi::Error::Success();
+  const char* gemm_env = getenv("JSM_GEMM1");  // read per call: benchmarks switch it in-process
+  const std::string gemm_choice = gemm_env ? gemm_env : "";
+  if (gemm_choice.rfind("wgmma", 0) == 0) {
+    // the wgmma kernel while it is validated: opt in with JSM_GEMM1=wgmma (or wgmma5: 5 stages)
+    g.scales_aligned = scales_aligned(g, v3::KB);
+    if (gemm_choice == "wgmma5")
+      launch_persistent(v3::gemm1_kernel<5>, v3::THREADS, v3::smem_bytes(5), g, grid, stream);
+    else
+      launch_persistent(v3::gemm1_kernel<4>, v3::THREADS, v3::smem_bytes(4), g, grid, stream);
+  } else {
+    // stage depth: JSM_GEMM1_KB=4 (128 B of K per row per stage, the default: measured 5-20%
+    // faster on an H200, docs/PERF.md) or 8 (256 B)
+    const char* kb_env = getenv("JSM_GEMM1_KB");
+    if (kb_env && atoi(kb_env) == 8) {
+      using C = v1::Cfg<8, 3>;
+      g.scales_aligned = scales_aligned(g, C::KB);
+      launch_persistent(v1::gemm1_kernel<C>, v1::THREADS, C::kSmemBytes, g, grid, stream);
+    } else {
+      using C = v1::Cfg<4, 4>;
+      g.scales_aligned = scales_aligned(g, C::KB);
+      launch_persistent(v1::gemm1_kernel<C>, v1::THREADS, C::kSmemBytes, g, grid, stream);
+    }
+  }
+  return last_error("gemm1");
+}
+
+// The GEMM's weights, epilogue and h outputs (rets[first], and rets[first + 1] for MX-fp8 scales).
+ffi::Error gemm1_args(ffi::AnyBuffer w_values, ffi::AnyBuffer w_scales, int64_t H, int64_t m_cap,
+                      bool has_limit, float swiglu_limit, ffi::RemainingRets& rets, size_t first,
+                      jsm::cuda::Gemm1Args* g) {
+  JSM_RETURN_IF_ERROR(check_dtype(w_values, ffi::DataType::F8E4M3FN, "gemm1 weights"));
+  const auto wd = w_values.dimensions();
+  g->w = ptr<uint8_t>(w_values);
+  g->w_scales = ptr<uint8_t>(w_scales);
+  g->EL = int(wd[0]);
+  g->I = wd[1] / 2;
+  g->H = H;
+  g->m_cap = m_cap;
+  g->has_limit = has_limit;
+  g->limit = swiglu_limit;
+  if (g->EL > jsm::cuda::gemm1_v1::kMaxExperts)
+    return ffi::Error::InvalidArgument("jax_sdma_moe gemm1 (CUDA): more than 1024 local experts");
+  auto h = rets.get<ffi::AnyBuffer>(first);
+  if (!h.has_value()) return h.error();
+  if (rets.size() == first + 1) {
+    JSM_RETURN_IF_ERROR(check_dtype(**h, ffi::DataType::BF16, "gemm1 output"));
+    g->h_bf16 = static_cast<uint16_t*>((*h)->untyped_data());
+  } else {
+    auto sc = rets.get<ffi::AnyBuffer>(first + 1);
+    if (!sc.has_value()) return sc.error();
+    g->h_values = static_cast<uint8_t*>((*h)->untyped_data());
+    g->h_scales = static_cast<uint8_t*>((*sc)->untyped_data());
+  }
+  return ffi::Error::Success();
 }
 
 ffi::Error Gemm1Impl(cudaStream_t stream, ffi::AnyBuffer a_values, ffi::AnyBuffer a_scales,
                      S32Vec expert_offsets, S32Vec expert_counts, ffi::AnyBuffer w_values,
                      ffi::AnyBuffer w_scales, ffi::RemainingRets rets, bool has_limit,
                      float swiglu_limit) {
-  namespace v1 = jsm::cuda::gemm1_v1;
   JSM_RETURN_IF_ERROR(check_dtype(a_values, ffi::DataType::F8E4M3FN, "gemm1 rows"));
-  JSM_RETURN_IF_ERROR(check_dtype(w_values, ffi::DataType::F8E4M3FN, "gemm1 weights"));
-  const auto wd = w_values.dimensions();
   jsm::cuda::Gemm1Args g{};
   g.a = ptr<uint8_t>(a_values);
   g.a_scales = ptr<uint8_t>(a_scales);
   g.offsets = expert_offsets.typed_data();
   g.counts = expert_counts.typed_data();
-  g.w = ptr<uint8_t>(w_values);
-  g.w_scales = ptr<uint8_t>(w_scales);
-  g.EL = int(wd[0]);
-  g.I = wd[1] / 2;
-  g.H = last_dim(a_values);
-  g.m_cap = rows_of(a_values);
-  g.has_limit = has_limit;
-  g.limit = swiglu_limit;
-  if (g.EL > v1::kMaxExperts)
-    return ffi::Error::InvalidArgument("jax_sdma_moe gemm1 (CUDA): more than 1024 local experts");
-  auto h = rets.get<ffi::AnyBuffer>(0);
-  if (!h.has_value()) return h.error();
-  int64_t row_bytes, scale_bytes = 0;
-  uint8_t* hs = nullptr;
-  if (rets.size() == 1) {
-    JSM_RETURN_IF_ERROR(check_dtype(**h, ffi::DataType::BF16, "gemm1 output"));
-    g.h_bf16 = static_cast<uint16_t*>((*h)->untyped_data());
-    row_bytes = g.I * 2;
-  } else {
-    auto s = rets.get<ffi::AnyBuffer>(1);
-    if (!s.has_value()) return s.error();
-    g.h_values = static_cast<uint8_t*>((*h)->untyped_data());
-    g.h_scales = hs = static_cast<uint8_t*>((*s)->untyped_data());
-    row_bytes = g.I;
-    scale_bytes = g.I / jsm::kBlock;
-  }
-  jsm::cuda::zero_padding_rows_kernel<<<grid_for(g.m_cap, 8), 256, 2 * g.EL * sizeof(int32_t),
-                                        stream>>>(g.offsets, g.counts, g.EL, g.m_cap, row_bytes,
-                                                  static_cast<uint8_t*>((*h)->untyped_data()), hs,
-                                                  scale_bytes);
-  JSM_RETURN_IF_ERROR(last_error("gemm1 padding"));
-  const char* gemm_env = getenv("JSM_GEMM1");  // read per call: benchmarks switch it in-process
-  const std::string gemm_choice = gemm_env ? gemm_env : "";
-  const bool wgmma = gemm_choice.rfind("wgmma", 0) == 0;  // wgmma (4 stages) or wgmma5
-  if (g.m_cap > 0 && wgmma) {
-    // the wgmma kernel while it is validated: opt in with JSM_GEMM1=wgmma (or wgmma5: 5 stages)
-    namespace v3 = jsm::cuda::gemm1_v3;
-    g.scales_aligned = scales_aligned(g, v3::KB);
-    if (gemm_choice == "wgmma5")
-      launch_persistent(v3::gemm1_kernel<5>, v3::THREADS, v3::smem_bytes(5), g, stream);
-    else
-      launch_persistent(v3::gemm1_kernel<4>, v3::THREADS, v3::smem_bytes(4), g, stream);
-  } else if (g.m_cap > 0) {
-    // stage depth: JSM_GEMM1_KB=4 (128 B of K per row per stage, the default: measured 5-20%
-    // faster on an H200, docs/PERF.md) or 8 (256 B)
-    const char* kb_env = getenv("JSM_GEMM1_KB");
-    const int kb = kb_env && atoi(kb_env) == 8 ? 8 : 4;
-    if (kb == 4)
-      launch_gemm1<v1::Cfg<4, 4>>(g, stream);
-    else
-      launch_gemm1<v1::Cfg<8, 3>>(g, stream);
-  }
-  return last_error("gemm1");
+  JSM_RETURN_IF_ERROR(gemm1_args(w_values, w_scales, last_dim(a_values), rows_of(a_values),
+                                 has_limit, swiglu_limit, rets, 0, &g));
+  return launch_gemm1(g, num_sms(), stream);
+}
+
+// The fused GEMM of engines ce/sm: rows straight from the landing slot, each expert when its rows
+// have landed.
+std::string gemm_on_slot(const jsm::ep::SlotView& slot, void* stream, void* ctx) {
+  jsm::cuda::Gemm1Args g = *static_cast<const jsm::cuda::Gemm1Args*>(ctx);
+  g.a = slot.values;
+  g.a_scales = slot.scales;
+  g.arrival = slot.arrival;
+  g.arrival_ranks = slot.R;
+  g.epoch = slot.epoch;
+  g.timeout_ns = slot.timeout_ns;
+  g.err = slot.err;
+  ffi::Error e = launch_gemm1(g, slot.sms, static_cast<cudaStream_t>(stream));
+  return e.success() ? "" : e.message();
+}
+
+// dispatch + gemm1 in one call (engines ce, sm): the GEMM overlaps the row copies.
+ffi::Error DispatchGemm1Impl(cudaStream_t stream, ffi::AnyBuffer values, ffi::AnyBuffer scales,
+                             S32Vec token, S32Vec slot, F32Vec weight, S32Mat send_counts,
+                             S32Scalar rank, ffi::AnyBuffer w_values, ffi::AnyBuffer w_scales,
+                             ffi::Result<S32Vec> src_rank, ffi::Result<S32Vec> out_token,
+                             ffi::Result<S32Vec> out_slot, ffi::Result<F32Vec> out_weight,
+                             ffi::Result<S32Vec> expert_offsets, ffi::Result<S32Vec> expert_counts,
+                             ffi::Result<S32Scalar> num_rows, ffi::Result<S32Scalar> overflow,
+                             ffi::RemainingRets rets, int64_t runtime_id, int64_t row_align,
+                             double timeout_s, int64_t fault_absent_rank, int64_t fault_delay_rank,
+                             int64_t fault_delay_ms, bool has_limit, float swiglu_limit) {
+  JSM_RETURN_IF_ERROR(check_dtype(values, ffi::DataType::F8E4M3FN, "dispatch_gemm1 rows"));
+  const int64_t H = last_dim(values), cap = src_rank->dimensions()[0];
+  jsm::cuda::Gemm1Args g{};
+  g.offsets = expert_offsets->typed_data();
+  g.counts = expert_counts->typed_data();
+  JSM_RETURN_IF_ERROR(
+      gemm1_args(w_values, w_scales, H, cap, has_limit, swiglu_limit, rets, 0, &g));
+  const jsm::cuda::EpGeometry geo{send_counts.dimensions()[0], send_counts.dimensions()[1], H, cap,
+                                  rows_of(values)};
+  const jsm::ep::SendIn send{ptr<uint8_t>(values), ptr<uint8_t>(scales), token.typed_data(),
+                             slot.typed_data(), weight.typed_data(), send_counts.typed_data()};
+  const jsm::cuda::LandedOut out{nullptr,
+                                 nullptr,
+                                 src_rank->typed_data(),
+                                 out_token->typed_data(),
+                                 out_slot->typed_data(),
+                                 out_weight->typed_data(),
+                                 expert_offsets->typed_data(),
+                                 expert_counts->typed_data(),
+                                 num_rows->typed_data(),
+                                 overflow->typed_data()};
+  return ep_error(jsm::ep::dispatch(
+      stream, runtime_id, geo, send, out,
+      jsm::ep::Options{row_align, timeout_s, fault_absent_rank, fault_delay_rank, fault_delay_ms},
+      gemm_on_slot, &g));
 }
 
 ffi::Error CheckOverflowImpl(cudaStream_t stream, S32Scalar overflow, S32Scalar rank,
@@ -298,6 +363,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmPackCuda, PackImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmDispatchCuda, DispatchImpl,
                               jsm::sig::dispatch(ffi::Ffi::Bind().Ctx<Stream>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmDispatchGemm1Cuda, DispatchGemm1Impl,
+                              jsm::sig::dispatch_gemm1(ffi::Ffi::Bind().Ctx<Stream>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmGemm1Cuda, Gemm1Impl,
                               jsm::sig::gemm1(ffi::Ffi::Bind().Ctx<Stream>()));

@@ -40,7 +40,8 @@ PYBIND11_MODULE(_jsm_ffi, m) {
   m.def("cuda_targets", [] {
     return targets({{"quantize", JsmQuantizeCuda}, {"route", JsmRouteCuda},
                     {"qpack", JsmQpackCuda}, {"pack", JsmPackCuda}, {"dispatch", JsmDispatchCuda},
-                    {"gemm1", JsmGemm1Cuda}, {"check_overflow", JsmCheckOverflowCuda}});
+                    {"gemm1", JsmGemm1Cuda}, {"check_overflow", JsmCheckOverflowCuda},
+                    {"dispatch_gemm1", JsmDispatchGemm1Cuda}});
   });
 #endif
   m.def("runtime_create", &jsm::runtime_create, py::arg("num_ranks"));

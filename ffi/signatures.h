@@ -69,6 +69,24 @@ auto dispatch(B b) {
       .template Attr<int64_t>("fault_delay_rank").template Attr<int64_t>("fault_delay_ms");
 }
 
+// dispatch + gemm1 fused (engines ce, sm): (src_rank, token, slot, weight, expert_offsets,
+// expert_counts, num_rows, overflow, then h (bf16) or (h values, h scales)) <- send buffer,
+// send_counts [R, EL], rank, w1 values, w1 scales
+template <class B>
+auto dispatch_gemm1(B b) {
+  return std::move(b)
+      .template Arg<Any>().template Arg<Any>().template Arg<S32Vec>().template Arg<S32Vec>()
+      .template Arg<F32Vec>().template Arg<S32Mat>().template Arg<S32Scalar>()
+      .template Arg<Any>().template Arg<Any>()
+      .template Ret<S32Vec>().template Ret<S32Vec>().template Ret<S32Vec>().template Ret<F32Vec>()
+      .template Ret<S32Vec>().template Ret<S32Vec>().template Ret<S32Scalar>()
+      .template Ret<S32Scalar>().RemainingRets()
+      .template Attr<int64_t>("runtime_id").template Attr<int64_t>("row_align")
+      .template Attr<double>("timeout_s").template Attr<int64_t>("fault_absent_rank")
+      .template Attr<int64_t>("fault_delay_rank").template Attr<int64_t>("fault_delay_ms")
+      .template Attr<bool>("has_limit").template Attr<float>("swiglu_limit");
+}
+
 // h (bf16) or (h values, h scales) <- landed values, scales, expert_offsets, expert_counts,
 // w1 values, w1 scales
 template <class B>

@@ -86,6 +86,14 @@ def _check_inputs(x, ids, weights, w1q):
   return T, H, ids.shape[1], EL
 
 
+def fused_gemm1_ok(hidden: int, row_align: int) -> bool:
+  """Whether engines ce/sm run gemm1 fused with the dispatch (reading each expert's rows from the
+  landing window as they arrive). The GEMM caches scale rows in L1, so an expert's scale rows
+  must not share a 128-byte line with another expert's: row_align * H/32 % 128 == 0 (true for
+  the default row_align of 128). Otherwise the rows are copied out first (dispatch, then gemm1)."""
+  return row_align * (hidden // BLOCK) % 128 == 0
+
+
 def dispatch(send: SendBuffer, send_counts: jax.Array, *, runtime: Runtime, cap: int) -> Landed:
   """The dispatch stage with the Runtime's engine: this rank's send buffer -> its landed rows."""
   cfg = runtime.config
@@ -135,9 +143,18 @@ def stage1(x: Union[jax.Array, MXFP8], topk, w1q: QuantizedW1, *, runtime: Runti
     send = primitives.pack(x, weights, route.send_pos)
   else:
     send = primitives.qpack(x, weights, route.send_pos)
-  landed = dispatch(send, route.send_counts, runtime=runtime, cap=cap)
-  h = primitives.gemm1(landed.values, landed.scales, landed.expert_offsets, landed.expert_counts,
-                       w1q, swiglu_limit=cfg.swiglu_limit, out_dtype=cfg.out_dtype)
+  if runtime.engine in WINDOW_ENGINES and fused_gemm1_ok(H, cfg.row_align):
+    landed, h = primitives.dispatch_gemm1(
+        send, route.send_counts, rank, w1q,
+        runtime_id=runtime.dispatch_window(H, EL, cap, send.values.shape[0]), cap=cap,
+        row_align=cfg.row_align, timeout_s=cfg.timeout_s, swiglu_limit=cfg.swiglu_limit,
+        out_dtype=cfg.out_dtype, fault_absent_rank=cfg.fault_absent_rank,
+        fault_delay_rank=cfg.fault_delay_rank, fault_delay_ms=cfg.fault_delay_ms)
+  else:
+    landed = dispatch(send, route.send_counts, runtime=runtime, cap=cap)
+    h = primitives.gemm1(landed.values, landed.scales, landed.expert_offsets,
+                         landed.expert_counts, w1q, swiglu_limit=cfg.swiglu_limit,
+                         out_dtype=cfg.out_dtype)
   # check=True fails inside the computation (an FFI error), which works on every platform; the
   # count passes through the check so XLA cannot drop it
   overflow = primitives.check_overflow(landed.overflow, rank, cap) if check else landed.overflow

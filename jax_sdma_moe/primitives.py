@@ -20,9 +20,10 @@ from .types import MXFP8, Landed, Route, SendBuffer
 
 F8 = jnp.float8_e4m3fn
 TARGET_PREFIX = "jsm_"
-STAGES = ("quantize", "route", "qpack", "pack", "dispatch", "gemm1", "check_overflow")
+STAGES = ("quantize", "route", "qpack", "pack", "dispatch", "gemm1", "check_overflow",
+          "dispatch_gemm1")
 # calls XLA must neither drop nor merge
-SIDE_EFFECTS = frozenset({"dispatch", "check_overflow"})
+SIDE_EFFECTS = frozenset({"dispatch", "check_overflow", "dispatch_gemm1"})
 
 
 @functools.cache
@@ -167,6 +168,40 @@ def gemm1(landed_values: jax.Array, landed_scales: jax.Array, expert_offsets: ja
                has_limit=np.bool_(swiglu_limit is not None),
                swiglu_limit=np.float32(swiglu_limit or 0.0))
   return MXFP8(*outs) if out_dtype == "mxfp8" else outs[0]
+
+
+# --- dispatch_gemm1 (engines ce, sm: the GEMM starts each expert as its rows land) ----------
+
+
+def _dispatch_gemm1_abstract(values, scales, token, slot, weight, send_counts, rank, w_values,
+                             w_scales, *, cap, out_mxfp8, **_):
+  EL, I = send_counts.shape[1], w_values.shape[1] // 2
+  h = ((_aval((cap, I), F8), _aval((cap, I // BLOCK), jnp.uint8)) if out_mxfp8
+       else (_aval((cap, I), jnp.bfloat16),))
+  return (*[_aval((cap,), jnp.int32)] * 3, _aval((cap,), jnp.float32), _aval((EL,), jnp.int32),
+          _aval((EL,), jnp.int32), _aval((), jnp.int32), _aval((), jnp.int32), *h)
+
+
+_dispatch_gemm1_p = _make("dispatch_gemm1", _dispatch_gemm1_abstract,
+                          _DISPATCH_ATTRS + ("has_limit", "swiglu_limit"))
+
+
+def dispatch_gemm1(send: SendBuffer, send_counts: jax.Array, rank: jax.Array, w1, *,
+                   runtime_id: int, cap: int, row_align: int, timeout_s: float,
+                   swiglu_limit: Optional[float], out_dtype: str, fault_absent_rank: int = -1,
+                   fault_delay_rank: int = -1, fault_delay_ms: int = 0):
+  """dispatch and gemm1 as one call (CUDA engines ce, sm): (Landed without the rows, h)."""
+  outs = _bind(
+      _dispatch_gemm1_p, *send, send_counts, rank.astype(jnp.int32), w1.values, w1.scales,
+      cap=int(cap), out_mxfp8=out_dtype == "mxfp8", runtime_id=np.int64(runtime_id),
+      row_align=np.int64(row_align), timeout_s=np.float64(timeout_s),
+      fault_absent_rank=np.int64(fault_absent_rank), fault_delay_rank=np.int64(fault_delay_rank),
+      fault_delay_ms=np.int64(fault_delay_ms), has_limit=np.bool_(swiglu_limit is not None),
+      swiglu_limit=np.float32(swiglu_limit or 0.0))
+  src_rank, token, slot, weight, offsets, counts, num_rows, overflow = outs[:8]
+  landed = Landed(None, None, src_rank, token, slot, weight, offsets, counts, num_rows, overflow)
+  h = MXFP8(*outs[8:]) if out_dtype == "mxfp8" else outs[8]
+  return landed, h
 
 
 # --- check_overflow (stage1(check=True)) -----------------------------------------------------

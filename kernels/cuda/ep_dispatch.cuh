@@ -16,24 +16,6 @@
 namespace jsm {
 namespace cuda {
 
-__device__ __forceinline__ uint64_t globaltimer_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
-JSM_HD bool epoch_reached(uint32_t flag, uint32_t epoch) { return int32_t(flag - epoch) >= 0; }
-
 struct EpArgs {
   PeerTable peers;
   EpWindowLayout L;
@@ -55,13 +37,7 @@ struct EpArgs {
 
 __device__ __forceinline__ void record_error(const EpArgs& a, uint32_t code, uint32_t peer,
                                              uint32_t expert) {
-  volatile EpError* e = a.err;
-  if (e->code != 0) return;
-  e->peer = peer;
-  e->expert = expert;
-  e->epoch = a.epoch;
-  __threadfence_system();
-  e->code = code;
+  record_wait_error(a.err, code, peer, expert, a.epoch);
 }
 
 template <class T>
@@ -192,20 +168,52 @@ __global__ void __launch_bounds__(512) ep_sm_kernel(const EpArgs a) {
   }
 }
 
-// Both engines: wait for every (expert, source) signal of this rank's slot, then copy the slot to
-// the outputs in §4 order. The slot already holds the §4 layout (each source put its rows at their
-// final offsets), so landed row r is slot row r; padding rows are written here. absent: this rank
-// takes no part (fault injection): no rows, no wait.
-__global__ void ep_readout_kernel(const EpArgs a, LandedOut out, bool absent) {
+// Both engines, first after the puts: wait (bounded) for every source's plan, then write this
+// rank's §4 layout (expert offsets and counts, rows, overflow). absent: this rank takes no part
+// (fault injection): no rows, no wait.
+__global__ void ep_layout_kernel(const EpArgs a, LandedOut out, bool absent) {
   extern __shared__ int32_t smem[];  // totals[EL], offsets[EL], counts[EL], dropped
   const int R = int(a.g.R), EL = int(a.g.EL);
-  const int64_t H = a.g.H, HS = H / kBlock, m_cap = a.g.m_cap;
-  uint8_t* own = a.peers.base[a.rank];
   int32_t* totals = smem;
   int32_t* offsets = smem + EL;
   int32_t* counts = smem + 2 * EL;
+  const bool plan_ok = !absent && wait_plan(a);
+  const int32_t* plan = at<const int32_t>(a.peers.base[a.rank], a.L.plan[a.parity]);
+  for (int e = threadIdx.x; e < EL; e += blockDim.x) {
+    int32_t sum = 0;
+    for (int s = 0; s < R && plan_ok; ++s) sum += __ldcg(plan + int64_t(s) * R * EL + a.rank * EL + e);
+    totals[e] = sum;
+  }
+  __syncthreads();
+  landing_layout_smem(totals, EL, a.row_align, a.g.m_cap, offsets, counts, counts + EL);
+  int32_t rows = 0;
+  for (int e = threadIdx.x; e < EL; e += blockDim.x) {
+    out.expert_offsets[e] = offsets[e];
+    out.expert_counts[e] = counts[e];
+  }
+  if (threadIdx.x == 0) {
+    for (int e = 0; e < EL; ++e) rows += counts[e];
+    *out.num_rows = rows;
+    *out.overflow = counts[EL];
+  }
+}
+
+// Both engines, last: wait (bounded) for every (expert, source) signal of this rank's slot, then
+// write the row headers (source rank, token, slot, weight) and, unless the fused GEMM read the
+// rows straight from the slot, the rows themselves; padding rows get -1 / 0. The slot already
+// holds the §4 layout (each source put its rows at their final offsets): landed row r is slot
+// row r. Needs ep_layout_kernel's offsets and counts.
+__global__ void ep_rows_kernel(const EpArgs a, LandedOut out, bool absent, bool copy_rows) {
+  extern __shared__ int32_t smem[];  // offsets[EL], counts[EL]
+  const int R = int(a.g.R), EL = int(a.g.EL);
+  const int64_t H = a.g.H, HS = H / kBlock, m_cap = a.g.m_cap;
+  uint8_t* own = a.peers.base[a.rank];
+  int32_t* offsets = smem;
+  int32_t* counts = smem + EL;
+  for (int e = threadIdx.x; e < EL; e += blockDim.x)
+    offsets[e] = out.expert_offsets[e], counts[e] = out.expert_counts[e];
   if (!absent) {
-    // a wait of this call (the sm kernel's plan) already ran out: the call is failed, don't wait
+    // a wait of this call already ran out (the plan): the call is failed, don't wait again
     const bool failed =  // block-uniform
         __syncthreads_or(threadIdx.x == 0 && static_cast<volatile EpError*>(a.err)->code != 0);
     const uint32_t* flags = at<const uint32_t>(own, a.L.seg_flag[a.parity]);
@@ -222,27 +230,8 @@ __global__ void ep_readout_kernel(const EpArgs a, LandedOut out, bool absent) {
       }
       __nanosleep(1000);
     }
-    const int32_t* plan = at<const int32_t>(own, a.L.plan[a.parity]);
-    for (int e = threadIdx.x; e < EL; e += blockDim.x) {
-      int32_t sum = 0;
-      for (int s = 0; s < R; ++s) sum += __ldcg(plan + int64_t(s) * R * EL + a.rank * EL + e);
-      totals[e] = sum;
-    }
-  } else {
-    for (int e = threadIdx.x; e < EL; e += blockDim.x) totals[e] = 0;
   }
   __syncthreads();
-  landing_layout_smem(totals, EL, a.row_align, m_cap, offsets, counts, counts + EL);
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    int32_t rows = 0;
-    for (int e = 0; e < EL; ++e) {
-      out.expert_offsets[e] = offsets[e];
-      out.expert_counts[e] = counts[e];
-      rows += counts[e];
-    }
-    *out.num_rows = rows;
-    *out.overflow = counts[EL];
-  }
   const uint8_t* values = at<const uint8_t>(own, a.L.values[a.parity]);
   const uint8_t* scales = at<const uint8_t>(own, a.L.scales[a.parity]);
   const RowHeader* hdr = at<const RowHeader>(own, a.L.headers[a.parity]);
@@ -250,12 +239,14 @@ __global__ void ep_readout_kernel(const EpArgs a, LandedOut out, bool absent) {
   for (int64_t r = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / kWarp; r < m_cap;
        r += int64_t(gridDim.x) * blockDim.x / kWarp) {
     const bool landed = expert_of_row(offsets, counts, EL, r) >= 0;
-    uint4* dst = reinterpret_cast<uint4*>(out.values + r * H);
-    const uint4* src = reinterpret_cast<const uint4*>(values + r * H);
-    for (int64_t c = lane; c < H / 16; c += kWarp)
-      dst[c] = landed ? __ldcg(src + c) : make_uint4(0, 0, 0, 0);
-    for (int64_t c = lane; c < HS; c += kWarp)
-      out.scales[r * HS + c] = landed ? __ldcg(scales + r * HS + c) : uint8_t(0);
+    if (copy_rows) {
+      uint4* dst = reinterpret_cast<uint4*>(out.values + r * H);
+      const uint4* src = reinterpret_cast<const uint4*>(values + r * H);
+      for (int64_t c = lane; c < H / 16; c += kWarp)
+        dst[c] = landed ? __ldcg(src + c) : make_uint4(0, 0, 0, 0);
+      for (int64_t c = lane; c < HS; c += kWarp)
+        out.scales[r * HS + c] = landed ? __ldcg(scales + r * HS + c) : uint8_t(0);
+    }
     if (lane == 0) {
       RowHeader h{-1, -1, -1, 0.0f};
       if (landed) {

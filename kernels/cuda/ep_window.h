@@ -93,5 +93,38 @@ struct EpError {
   uint32_t code, peer, expert, epoch;
 };
 
+JSM_HD bool epoch_reached(uint32_t flag, uint32_t epoch) { return int32_t(flag - epoch) >= 0; }
+
+#ifdef __CUDACC__
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+
+// Records the first expired wait (the code is written last, after a system fence).
+__device__ __forceinline__ void record_wait_error(EpError* err, uint32_t code, uint32_t peer,
+                                                  uint32_t expert, uint32_t epoch) {
+  volatile EpError* e = err;
+  if (e->code != 0) return;
+  e->peer = peer;
+  e->expert = expert;
+  e->epoch = epoch;
+  __threadfence_system();
+  e->code = code;
+}
+#endif
+
 }  // namespace cuda
 }  // namespace jsm

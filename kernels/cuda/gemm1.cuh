@@ -17,6 +17,7 @@
 #include <stdint.h>
 
 #include "kernels/common/mxfp8.h"
+#include "kernels/cuda/ep_window.h"
 
 namespace jsm {
 namespace cuda {
@@ -36,6 +37,13 @@ struct Gemm1Args {
   uint16_t* h_bf16;    // [m_cap, I] or null
   uint8_t* h_values;   // [m_cap, I] or null (mxfp8 output)
   uint8_t* h_scales;   // [m_cap, I/32]
+  // Arrival (engines ce/sm, fused with the dispatch): expert e's rows may be read once
+  // arrival[e * arrival_ranks + s] has reached `epoch` for every source s. Null: rows are there.
+  const uint32_t* arrival;
+  int arrival_ranks;
+  uint32_t epoch;
+  uint64_t timeout_ns;
+  EpError* err;
 };
 
 namespace gemm1_v1 {
@@ -175,6 +183,25 @@ struct TileScheduler {
 
   __device__ __forceinline__ int total(const Gemm1Args& g) const { return tile_start[g.EL]; }
 
+  // Thread 0 waits (bounded) until every source's rows of expert e have landed; the caller's
+  // next __syncthreads releases the block. `ready` caches the last expert seen complete.
+  static __device__ __forceinline__ void wait_arrival(const Gemm1Args& g, int e, int& ready) {
+    if (!g.arrival || e == ready) return;
+    ready = e;
+    if (threadIdx.x != 0) return;
+    const uint32_t* flags = g.arrival + int64_t(e) * g.arrival_ranks;
+    const uint64_t deadline = globaltimer_ns() + g.timeout_ns;
+    for (int s = 0; s < g.arrival_ranks; ++s) {
+      while (!epoch_reached(ld_acquire_sys(flags + s), g.epoch)) {
+        if (globaltimer_ns() > deadline) {
+          record_wait_error(g.err, 2, uint32_t(s), uint32_t(e), g.epoch);
+          return;  // bounded: the rows are not trusted, the error surfaces at the host
+        }
+        __nanosleep(256);
+      }
+    }
+  }
+
   __device__ __forceinline__ Tile tile(const Gemm1Args& g, int w) const {
     int lo = 0, hi = g.EL - 1;  // last expert whose first tile is <= w
     while (lo < hi) {
@@ -283,8 +310,10 @@ __global__ void __launch_bounds__(THREADS, 1) gemm1_kernel(const Gemm1Args g) {
   const int64_t HS = g.H / kBlock;
   const int num_k = int((HS + KB - 1) / KB);
 
+  int ready = -1;
   for (int w = blockIdx.x; w < total; w += gridDim.x) {
     const Tile t = sched.tile(g, w);
+    TileScheduler::wait_arrival(g, t.e, ready);  // released by the __syncthreads below
 
     float acc[2][8][4];
 #pragma unroll

@@ -148,8 +148,10 @@ __global__ void __launch_bounds__(THREADS, 1) gemm1_kernel(const Gemm1Args g) {
   const int64_t HS = g.H / kBlock;
   const int num_k = int((HS + KB - 1) / KB);
 
+  int ready = -1;
   for (int w = blockIdx.x; w < total; w += gridDim.x) {
     const Tile t = sched.tile(g, w);
+    TileScheduler::wait_arrival(g, t.e, ready);  // released by the __syncthreads below
     const bool wg_active = wg * 64 < t.rows;                  // warpgroup-uniform: issue wgmma
     const bool warp_active = wg * 64 + warp * 16 < t.rows;  // warp-uniform: promote
 
