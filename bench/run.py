@@ -13,7 +13,9 @@ Two modes, one set of paths, checks and timers:
     Process 0 prints the table and writes the files (tag `<platform>-mpi<R>` under mpirun,
     `<platform>-mp<R>` with --coordinator).
   * --gpu: one device, R = 1, engine `local` (the first GPU; `--platform cpu` runs the same code on
-    one CPU device, to try it where there is no GPU). Inputs and weights are made on the device
+    one CPU device, to try it where there is no GPU); with --devices R > 1, R GPUs of this process
+    (engines ce, sm, xla; the peer-copy bandwidth between the first two is measured as the wire
+    ceiling). Inputs and weights are made on the device
     (w1 per shape: jax.random in bf16, quantised by the MX-fp8 kernel inside the same jit, so the
     bf16 copy never outlives it). Checks stay cheap at dsv3 sizes: the layout arrays must equal
     `reference.dispatch`, and h of a sample of experts (first, last, largest, a few random) must
@@ -35,6 +37,7 @@ Usage (from the repository root; `python -m bench.run` works too):
   python bench/run.py --gpu         # one GPU: dsv3, v4pro at T = 128, 1024, 4096, 8192
   python bench/run.py --gpu --platform cpu --shapes small --tokens 32,128 --iters 3 --warmup 1
   python bench/run.py --gpu --skip-native ragged   # ragged_dot is slow / out of memory on GPU
+  python bench/run.py --gpu --devices 2 --shapes dsv3 --tokens 128,1024,2048,4096,8192
   mpirun --allow-run-as-root -n 2 python bench/run.py --tokens 32,128   # 2 processes, 1 rank each
   python bench/run.py --coordinator localhost:12345 --num-processes 2 --process-id 0 & \
   python bench/run.py --coordinator localhost:12345 --num-processes 2 --process-id 1   # no MPI
@@ -68,6 +71,7 @@ NATIVE_BASELINES = ("einsum", "ragged")  # --skip-native names
 DEFAULT_SHAPES = ("small", "dsv3,v4pro")
 DEFAULT_TOKENS = ("128,1024", "128,1024,4096,8192")
 DEFAULT_ENGINES = ("cpu,xla", "local")
+DEFAULT_GPU_MULTI_ENGINES = "ce,sm,xla"  # --gpu --devices R > 1
 MULTI_PROCESS_ENGINES = "xla"  # engine cpu moves rows between the devices of one process only
 DEFAULT_DEVICES = 8
 
@@ -99,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "--platform cpu; multi-process: '<platform>-mpi<processes>' under mpirun, "
                       "'<platform>-mp<processes>' with --coordinator)")
   p.add_argument("--gpu", action="store_true",
-                 help="one device, R = 1, engine local, device-side inputs and ceilings")
+                 help="GPUs of this process (--devices, default 1: R = 1, engine local; more: "
+                      "engines ce, sm, xla), device-side inputs, sampled checks and ceilings")
   p.add_argument("--platform", default="gpu", choices=("gpu", "cpu"),
                  help="--gpu only: the device to run on (cpu: the same R = 1 code on one CPU "
                       "device, to try the mode without a GPU)")
@@ -210,8 +215,13 @@ MULTI_PROCESS_NOTE = (
     "device (the max over processes). Ceilings: process 0's, measured while every process "
     "measured its own.")
 SINGLE_DEVICE_NOTES = (
-    "One device, R = 1. ms: median wall time of one jitted call until block_until_ready; JSON "
-    "has min and p90.",
+    "R devices of one process (R = 1: engine local). ms: median wall time of one jitted call "
+    "until block_until_ready (the max over ranks); JSON has min and p90.",
+    "R > 1: disp GB/s = landed rows * (H + H/32 + 12) bytes / dispatch time (all ranks' rows, "
+    "including the 1/R that stay on their own GPU), against peer_copy_gbps (one direction). The "
+    "dispatch stage alone copies the rows out of the window (engines ce, sm); stage1 runs the GEMM "
+    "fused with the dispatch (each expert starts when its rows have landed), so stage1 / gemm1 "
+    "measures the overlap.",
     "stage1 = jsm.stage1 (route + qpack + dispatch + gemm1); rt+qp = route + qpack in one jitted "
     "call, disp = dispatch (engine local: a copy into the landing layout), gemm1 = MX-fp8 GEMM1 + "
     "SwiGLU; each stage its own jitted call.",
@@ -281,6 +291,13 @@ def measure_device_ceilings(device, copy_bytes: int, n: int, reps: int = 10) -> 
           "dense_bf16": []}  # filled per (shape, tokens) by bench_single_config
 
 
+def peer_copy_gbps(src, dst, nbytes: int, reps: int = 5) -> float:
+  """Bytes per second of one device-to-device copy src -> dst (jax.device_put between the devices
+  of one process: PjRt's peer copy), best of reps: the wire ceiling of one direction."""
+  a = jax.device_put(jnp.zeros(nbytes // 4, jnp.uint32), src)
+  return nbytes / _best_seconds(lambda: jax.device_put(a, dst).block_until_ready(), reps) / 1e9
+
+
 def device_copy_gbps(nbytes: int, reps: int) -> float:
   """Read + write bytes per second of a jitted elementwise pass over nbytes on the default device
   (`a + 1`, not `a + 0` or a copy XLA could elide: every byte is read and written)."""
@@ -334,33 +351,35 @@ def native_w1(w1q: jsm.QuantizedW1) -> jax.Array:
 
 
 def device_weights(mesh, shape: jsm.MoEShape, key) -> tuple:
-  """One rank's weights made on its device: w1q [1, E, 2I, H] (w1 drawn in bf16 and quantised
+  """The ranks' weights made on their devices: w1q [R, E/R, 2I, H] (w1 drawn in bf16 and quantised
   inside one jit, so the bf16 copy is freed when it returns) and the JAX-native bf16 weights
-  [1, E, H, 2I] made from w1q."""
+  [R, E/R, H, 2I] made from w1q."""
   E, H, I = shape.num_experts, shape.hidden, shape.intermediate
+  R = mesh.shape[AXIS]
   on_mesh = NamedSharding(mesh, P(AXIS))
 
   @functools.partial(jax.jit, out_shardings=on_mesh)
   def make_w1q(key):
     w1 = jax.random.normal(key, (E, 2 * I, H), jnp.bfloat16) * W1_SCALE
-    return jax.tree.map(lambda a: a[None], jsm.quantize_w1(w1))
+    return jax.tree.map(lambda a: a.reshape(R, E // R, *a.shape[1:]), jsm.quantize_w1(w1))
 
   w1q = jax.block_until_ready(make_w1q(key))
   return w1q, jax.block_until_ready(jax.jit(native_w1, out_shardings=on_mesh)(w1q))
 
 
 def device_inputs(mesh, shape: jsm.MoEShape, T: int, key) -> tuple:
-  """One rank's tokens made on its device: (x [1, T, H] bf16, ids [1, T, K] (K distinct experts
-  per token), weights [1, T, K] f32) for the engines, and (bf16 copy of the dequantised MX-fp8 x,
-  ids) for the JAX-native paths."""
+  """The ranks' tokens made on their devices: (x [R, T, H] bf16, ids [R, T, K] (K distinct
+  experts per token), weights [R, T, K] f32) for the engines, and (bf16 copy of the dequantised
+  MX-fp8 x, ids) for the JAX-native paths."""
   H, E, K = shape.hidden, shape.num_experts, shape.topk
+  R = mesh.shape[AXIS]
 
   @functools.partial(jax.jit, out_shardings=NamedSharding(mesh, P(AXIS)))
   def make(key):
     kx, ki, kw = jax.random.split(key, 3)
-    x = jax.random.normal(kx, (1, T, H), jnp.bfloat16)
-    ids = lax.top_k(jax.random.uniform(ki, (1, T, E)), K)[1].astype(jnp.int32)
-    weights = jax.random.uniform(kw, (1, T, K), jnp.float32)
+    x = jax.random.normal(kx, (R, T, H), jnp.bfloat16)
+    ids = lax.top_k(jax.random.uniform(ki, (R, T, E)), K)[1].astype(jnp.int32)
+    weights = jax.random.uniform(kw, (R, T, K), jnp.float32)
     # XLA may skip a rounding as "excess precision": XLA:CPU recomputed x in f32 inside the fusion
     # that quantises it, so the native paths got other values than the engines. The barriers pin
     # x to its bf16 values and xq to its fp8 bytes: x_native is exactly dequantize(quantize(x)).
@@ -588,23 +607,24 @@ def _reference_layout(x, ids, weights, *, E: int, row_align: int, cap: int):
   return reference.dispatch(reference.quantize(x), ids, weights, E, row_align, cap)
 
 
-@functools.partial(jax.jit, static_argnames=("n", "swiglu_limit"))
-def _expert_h32(values, scales, starts, experts, w1q, *, n: int, swiglu_limit):
-  """float32 h [P, n, I] of the n landed rows from starts[p] (rank 0) through expert experts[p]:
-  SwiGLU(dequantize(rows) @ dequantize(w1[e]).T) at HIGHEST precision. Rows past a block's end are
-  read too (clamped at M_cap) and cut by the caller."""
+@functools.partial(jax.jit, static_argnames=("rank", "n", "swiglu_limit"))
+def _expert_h32(values, scales, starts, experts, w1q, *, rank: int, n: int, swiglu_limit):
+  """float32 h [P, n, I] of the n landed rows of `rank` from starts[p] through its local expert
+  experts[p]: SwiGLU(dequantize(rows) @ dequantize(w1[e]).T) at HIGHEST precision. Rows past a
+  block's end are read too (clamped at M_cap) and cut by the caller."""
   idx = jnp.minimum(starts[:, None] + jnp.arange(n), values.shape[1] - 1)
-  w = jax.tree.map(lambda a: a[0][experts], w1q)                            # [P, 2I, H]
+  w = jax.tree.map(lambda a: a[rank][experts], w1q)                         # [P, 2I, H]
   return jax.vmap(reference.expert_h32, in_axes=(0, 0, 0, None))(
-      values[0][idx], scales[0][idx], w, swiglu_limit)
+      values[rank][idx], scales[rank][idx], w, swiglu_limit)
 
 
 def sampled_reference(shape: jsm.MoEShape, row_align: int, cap: int, inputs, w1q,
                       rng: np.random.Generator) -> tuple:
-  """R = 1, cheap at any size: the full layout from reference.dispatch (on the device), and the
-  float32 h of a sample of experts only (reference.stage1's GEMM is dense over all experts: far too
-  slow at dsv3). The sample: the first, last and largest non-empty experts and RANDOM_EXPERTS random
-  non-empty ones. Returns the Reference and the experts checked."""
+  """One process, any size: the full layout of every rank from reference.dispatch (on the
+  devices), and the float32 h of a sample of experts per rank only (reference.stage1's GEMM is
+  dense over all experts: far too slow at dsv3). The sample: the first, last and largest non-empty
+  experts and RANDOM_EXPERTS random non-empty ones. Returns the Reference and the (rank, expert)
+  pairs checked."""
   x, ids, weights = inputs
   E = shape.num_experts
   landed = _reference_layout(x, ids, weights, E=E, row_align=row_align, cap=cap)
@@ -612,16 +632,22 @@ def sampled_reference(shape: jsm.MoEShape, row_align: int, cap: int, inputs, w1q
       None, *to_host((landed.expert_offsets, landed.expert_counts, landed.src_rank,
                       landed.src_token, landed.topk_slot, landed.topk_weight, landed.num_rows)),
       np.sum(np.asarray(ids) >= E, axis=(1, 2)).astype(np.int32), np.asarray(landed.overflow))
-  offsets, counts = lay.expert_offsets[0], lay.expert_counts[0]
-  nonempty = np.flatnonzero(counts)
-  pick = {nonempty[0], nonempty[-1], int(np.argmax(counts))}
-  pick |= set(rng.choice(nonempty, min(RANDOM_EXPERTS, len(nonempty)), replace=False).tolist())
-  experts = np.array(sorted(int(e) for e in pick), np.int32)
-  n = int(counts[experts].max())
-  h32 = np.asarray(_expert_h32(landed.values, landed.scales, jnp.asarray(offsets[experts]),
-                               jnp.asarray(experts), w1q, n=n, swiglu_limit=shape.swiglu_limit))
-  blocks = {(0, int(e)): h32[p, :counts[e]] for p, e in enumerate(experts)}
-  return Reference(lay, blocks), experts.tolist()
+  blocks, checked = {}, []
+  for rank in range(lay.expert_counts.shape[0]):
+    offsets, counts = lay.expert_offsets[rank], lay.expert_counts[rank]
+    nonempty = np.flatnonzero(counts)
+    if not len(nonempty):
+      continue
+    pick = {nonempty[0], nonempty[-1], int(np.argmax(counts))}
+    pick |= set(rng.choice(nonempty, min(RANDOM_EXPERTS, len(nonempty)), replace=False).tolist())
+    experts = np.array(sorted(int(e) for e in pick), np.int32)
+    n = int(counts[experts].max())
+    h32 = np.asarray(_expert_h32(landed.values, landed.scales, jnp.asarray(offsets[experts]),
+                                 jnp.asarray(experts), w1q, rank=rank, n=n,
+                                 swiglu_limit=shape.swiglu_limit))
+    blocks.update({(rank, int(e)): h32[p, :counts[e]] for p, e in enumerate(experts)})
+    checked += [(rank, int(e)) for e in experts]
+  return Reference(lay, blocks), checked
 
 
 def assert_close(what: str, out: np.ndarray, ref: np.ndarray) -> None:
@@ -1012,10 +1038,12 @@ def bench_config(args, mesh, shape: jsm.MoEShape, T: int, engines: Sequence[str]
 def bench_single_config(args, mesh, shape: jsm.MoEShape, T: int, weights: tuple,
                         engines: Sequence[str], ceilings: dict, key,
                         rng: np.random.Generator) -> list:
-  """R = 1 on one device (--gpu): inputs made on the device, the sampled check, XLA's dense bf16
-  matmul of gemm1's FLOPs as this configuration's matmul ceiling, then every path timed."""
+  """--gpu, R devices of one process: inputs made on the devices, the sampled check, XLA's dense
+  bf16 matmul of one rank's gemm1 FLOPs as this configuration's matmul ceiling, then every path
+  timed."""
   E, K, H, I = shape.num_experts, shape.topk, shape.hidden, shape.intermediate
-  cap = layout.m_cap(1, T, K, E, args.row_align)
+  R = mesh.shape[AXIS]
+  cap = layout.m_cap(R, T, K, E // R, args.row_align)
   tag = f"[{shape.name} T={T}]"
   k_inputs, k_dense = jax.random.split(key)
   engine_inputs, native_inputs = device_inputs(mesh, shape, T, k_inputs)
@@ -1041,7 +1069,7 @@ def bench_single_config(args, mesh, shape: jsm.MoEShape, T: int, weights: tuple,
     for rt in runtimes:
       rt.close()
   jax.clear_caches()
-  return finish_rows(rows, shape, T, 1, cap, rows_total, checked_experts=experts,
+  return finish_rows(rows, shape, T, R, cap, rows_total, checked_experts=experts,
                      dense_bf16_gflops=dense["gflops"])
 
 
@@ -1107,7 +1135,8 @@ def format_single_device_table(rows: Sequence[dict], ceilings: dict, skipped: se
   configuration in its last columns."""
   cols = [("shape", 6, "{}"), ("T", 5, "{}"), ("path", 12, "{}"), ("stage1 ms", 9, "{:.3f}"),
           ("rt+qp ms", 8, "{:.3f}"), ("GB/s", 6, "{}"), ("%copy", 5, "{:.0%}"),
-          ("disp ms", 7, "{:.3f}"), ("gemm1 ms", 8, "{:.3f}"), ("TFLOP/s", 7, "{}"),
+          ("disp ms", 7, "{:.3f}"), ("GB/s", 6, "{}"), ("gemm1 ms", 8, "{:.3f}"),
+          ("TFLOP/s", 7, "{}"), ("st1/gemm", 8, "{:.2f}"),
           ("mm TF/s", 7, "{}"), ("%mm", 5, "{:.0%}"), ("einsum ms", 9, "{:.3f}"),
           ("drop", 5, "{}"), ("vs nat", 6, "{:.2f}x"), ("ragged ms", 9, "{:.3f}")]
 
@@ -1131,17 +1160,20 @@ def format_single_device_table(rows: Sequence[dict], ceilings: dict, skipped: se
     einsum_ms, drop = native(shape, T, "einsum")
     ragged_ms, _ = native(shape, T, "ragged")
     if "failed" in r:
-      table.append([shape, T, r["path"], f"failed: {r['failed']}"] + [None] * 8
+      table.append([shape, T, r["path"], f"failed: {r['failed']}"] + [None] * 10
                    + [einsum_ms, drop, None, ragged_ms])
       continue
     q, d, g = (r["stages"][s] for s in STAGES)
     frac = r["ceiling_fraction"]
     table.append([shape, T, r["path"], r["stage1"]["median_ms"], q["median_ms"], _rate(q["gbps"]),
-                  frac["route+qpack"], d["median_ms"], g["median_ms"], _rate(g["gflops"] / 1e3),
+                  frac["route+qpack"], d["median_ms"], _rate(d["gbps"]), g["median_ms"],
+                  _rate(g["gflops"] / 1e3), r["stage1"]["median_ms"] / g["median_ms"],
                   _rate(r["dense_bf16_gflops"] / 1e3), frac["gemm1"], einsum_ms, drop,
                   r["vs_best_native"], ragged_ms])
   lines = render_table(cols, table, left=3)
-  lines.append(f"ceilings: copy {ceilings['copy_gbps']:.0f} GB/s, dense bf16 "
+  peer = (f", peer copy {ceilings['peer_copy_gbps']:.0f} GB/s (jax.device_put GPU0 -> GPU1)"
+          if "peer_copy_gbps" in ceilings else "")
+  lines.append(f"ceilings: copy {ceilings['copy_gbps']:.0f} GB/s{peer}, dense bf16 "
                f"{ceilings['matmul_gflops']['bf16'] / 1e3:.3g} TFLOP/s ({ceilings['how']})")
   lines += [f"- {n}" for n in SINGLE_DEVICE_NOTES]
   return "\n".join(lines)
@@ -1271,8 +1303,10 @@ def main(args) -> None:
   if unknown:
     raise SystemExit(f"unknown shape(s) {unknown}; known: {sorted(jsm.SHAPES)}")
   tokens = [int(t) for t in parse_list(args.tokens, DEFAULT_TOKENS[mode])]
-  engines = parse_list(args.engines,
-                       DEFAULT_ENGINES[mode] if launch == "single" else MULTI_PROCESS_ENGINES)
+  default_engines = DEFAULT_ENGINES[mode] if launch == "single" else MULTI_PROCESS_ENGINES
+  if args.gpu and (args.devices or 1) > 1:
+    default_engines = DEFAULT_GPU_MULTI_ENGINES
+  engines = parse_list(args.engines, default_engines)
   skipped_natives(args)  # reject unknown names before anything runs
   start_processes(args, launch)
   try:
@@ -1321,16 +1355,21 @@ def main_host_devices(args, shapes, tokens, engines, launch: str = "single") -> 
 
 
 def main_single_device(args, shapes, tokens, engines) -> list:
-  """--gpu: R = 1 on the first device of --platform; everything made and measured there."""
+  """--gpu: R = --devices (default 1) devices of --platform in this process; everything made and
+  measured there."""
+  R = args.devices or 1
   try:
-    device = jax.devices(args.platform)[0]
+    devices = jax.devices(args.platform)[:R]
   except RuntimeError as e:
     raise SystemExit(f"--gpu: no {args.platform} device ({e}); --platform cpu runs the same code "
                      "on the CPU") from None
+  if len(devices) < R:
+    raise SystemExit(f"--gpu --devices {R}: only {len(devices)} {args.platform} devices")
+  device = devices[0]
   on_gpu = device.platform != "cpu"
-  # Auto axis: the stacked [1, ...] arrays then also feed plain jnp code (the reference), which
-  # refuses to reduce over an Explicit-sharded axis even of size 1
-  mesh = jax.make_mesh((1,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=[device])
+  # Auto axis: the stacked [R, ...] arrays then also feed plain jnp code (the reference), which
+  # refuses to reduce over an Explicit-sharded axis
+  mesh = jax.make_mesh((R,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
   key = jax.random.key(args.seed)
   rng = np.random.default_rng(args.seed)  # picks the randomly checked experts
   rows = []
@@ -1340,8 +1379,12 @@ def main_single_device(args, shapes, tokens, engines) -> list:
     # matmul so that trying the mode stays quick
     ceilings = measure_device_ceilings(device, (2 << 30) if on_gpu else (256 << 20),
                                        8192 if on_gpu else 1024)
-    report = Report(args, args.tag or ("gpu" if on_gpu else "gpu-cpu"),
-                    metadata(args, engines, [device]), ceilings, SINGLE_DEVICE_NOTES)
+    if R > 1:
+      ceilings["peer_copy_gbps"] = peer_copy_gbps(devices[0], devices[1],
+                                                  (1 << 30) if on_gpu else (64 << 20))
+    tag = ("gpu" if on_gpu else "gpu-cpu") + (f"-x{R}" if R > 1 else "")
+    report = Report(args, args.tag or tag, metadata(args, engines, devices), ceilings,
+                    SINGLE_DEVICE_NOTES)
     for s, name in enumerate(shapes):
       shape = jsm.SHAPES[name]
       progress(f"[{name}] making w1 on the device")

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# On a lent 2-GPU machine (nvidia-h200-x2), from the repository root: build with the machine's jax,
+# run the multi-GPU tests (one process with both GPUs, and two processes with one each), then the
+# R = 2 benchmark (engines ce, sm, xla and the JAX-native paths; table in bench.log, JSON and PNG
+# in $OUT). Usage: bash bench/device_multigpu.sh [tests|bench|all] ...  (default: all)
+# JSM_TEST_FILTER selects tests (-k); JSM_BENCH_SHAPES, JSM_BENCH_TOKENS, JSM_BENCH_ARGS as in
+# device_cuda.sh.
+set -uo pipefail
+REPO=$PWD
+export JSM_REQUIRE_CUDA=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/jsm-out}
+mkdir -p "$OUT"
+python3 -m pip install --no-build-isolation --no-deps --no-index . > "$OUT/build.log" 2>&1 \
+  || { tail -40 "$OUT/build.log"; exit 1; }
+nvidia-smi topo -m 2>/dev/null | head -4
+cd /tmp
+for step in "${@:-all}"; do
+  if [[ $step == tests || $step == all ]]; then
+    timeout 900 python3 -m pytest -q -x -p no:cacheprovider --durations=8 \
+      "$REPO/tests/test_multigpu.py" ${JSM_TEST_FILTER:+-k "$JSM_TEST_FILTER"} 2>&1 \
+      | tee "$OUT/tests-multigpu.log" | tail -30
+  fi
+  if [[ $step == bench || $step == all ]]; then
+    python3 "$REPO/bench/run.py" --gpu --devices 2 \
+      --shapes "$(tr ' ' , <<< "${JSM_BENCH_SHAPES:-dsv3 v4pro}")" \
+      --tokens "${JSM_BENCH_TOKENS:-128,1024,2048,4096,8192}" --skip-native ragged \
+      ${JSM_BENCH_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench-x2.log" | grep -v '^- ' | tail -24
+  fi
+done
