@@ -2,7 +2,7 @@
 # On a lent GPU machine, from the repository root: build with the machine's jax (no registry there),
 # run the CUDA tests, compute-sanitizer on a small case, and the single-GPU benchmark
 # (bench/run.py --gpu: table in bench.log, gpu.json and gpu.png in $OUT).
-# Usage: bash bench/device_cuda.sh [tests|sanitize|bench|all] ...  (default: all)
+# Usage: bash bench/device_cuda.sh [tests|variants|sanitize|bench|all] ...  (default: all)
 # bench takes JSM_BENCH_SHAPES (default "dsv3 v4pro"), JSM_BENCH_TOKENS (comma list) and
 # JSM_BENCH_ARGS (more bench/run.py flags, e.g. "--skip-native ragged").
 set -uo pipefail
@@ -17,8 +17,14 @@ cd /tmp
 for step in "${@:-all}"; do
   if [[ $step == tests || $step == all ]]; then
     python3 -m pytest -q -p no:cacheprovider --durations=8 "$REPO/tests/test_cuda.py" ${JSM_TEST_FILTER:+-k "$JSM_TEST_FILTER"} 2>&1 | tee "$OUT/tests.log" | tail -25
-    echo "-- gemm1 wgmma (JSM_GEMM1=wgmma, opt-in until this passes)"
-    JSM_GEMM1=wgmma python3 -m pytest -q -p no:cacheprovider "$REPO/tests/test_cuda.py" -k "Gemm1 or equals" 2>&1 | tail -5
+    for v in wgmma ws; do
+      echo "-- gemm1 $v (JSM_GEMM1=$v, opt-in until this passes)"
+      JSM_GEMM1=$v timeout 300 python3 -m pytest -q -x -p no:cacheprovider "$REPO/tests/test_cuda.py" \
+        -k "T128 or T7 or skewed or equals or limit" --tb=short 2>&1 | grep -E "Error|passed|failed" | tail -6
+    done
+  fi
+  if [[ $step == variants ]]; then  # the gemm1 and route variants side by side (quick)
+    timeout 300 python3 "$REPO/bench/kernel_variants.py" --tokens 128,1024,4096,8192 2>&1 | tail -20
   fi
   if [[ $step == bench || $step == all ]]; then
     python3 "$REPO/bench/run.py" --gpu --shapes "$(tr ' ' , <<< "${JSM_BENCH_SHAPES:-dsv3 v4pro}")" \

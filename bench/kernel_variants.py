@@ -32,7 +32,7 @@ def main():
   p = argparse.ArgumentParser()
   p.add_argument("--shapes", default="dsv3")
   p.add_argument("--tokens", default="128,4096,8192")
-  p.add_argument("--gemm1", default="v2,wgmma")
+  p.add_argument("--gemm1", default="v2,wgmma,ws")
   p.add_argument("--route", default="warp,blocks")
   p.add_argument("--iters", type=int, default=10)
   a = p.parse_args()

@@ -1,6 +1,7 @@
 // XLA FFI handlers of the Stage1 custom calls on the CUDA platform: the same argument and result
 // lists as cpu_handlers.cc (the primitives' abstract evaluation fixes them), kernels from
 // kernels/cuda, launched on XLA's stream.
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <cstdlib>
@@ -12,6 +13,7 @@
 #include "signatures.h"
 #include "kernels/cuda/gemm1.cuh"
 #include "kernels/cuda/gemm1_wgmma.cuh"
+#include "kernels/cuda/gemm1_ws.cuh"
 #include "kernels/cuda/stages.cuh"
 
 namespace ffi = xla::ffi;
@@ -195,6 +197,39 @@ void launch_persistent(Kernel kernel, int threads, int smem, const jsm::cuda::Ge
   kernel<<<grid, threads, smem, stream>>>(g);
 }
 
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                   const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                   const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// A TMA map of a row-major byte matrix [rows, cols]: boxes of box_rows x 128 bytes, 128-byte
+// swizzle (the K-major layout wgmma reads), zeros outside.
+ffi::Error tensor_map(CUtensorMap* map, const void* base, int64_t cols, int64_t rows,
+                      uint32_t box_rows) {
+  static EncodeTiledFn encode = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      p = nullptr;
+    return reinterpret_cast<EncodeTiledFn>(p);
+  }();
+  if (!encode) return ffi::Error::Internal("jax_sdma_moe gemm1: no cuTensorMapEncodeTiled");
+  const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
+  const cuuint64_t strides[1] = {cuuint64_t(cols)};
+  const cuuint32_t box[2] = {128, box_rows};
+  const cuuint32_t elem[2] = {1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims,
+                            strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    return ffi::Error::Internal("jax_sdma_moe gemm1: cuTensorMapEncodeTiled failed (CUresult " +
+                                std::to_string(int(r)) + ")");
+  return ffi::Error::Success();
+}
+
 // g's rows, layout, weights and h outputs are set. Zeroes h's padding rows, then runs the
 // persistent GEMM on `grid` CTAs (one per SM it may use).
 ffi::Error launch_gemm1(jsm::cuda::Gemm1Args g, int grid, cudaStream_t stream) {
@@ -210,7 +245,18 @@ ffi::Error launch_gemm1(jsm::cuda::Gemm1Args g, int grid, cudaStream_t stream) {
   if (g.m_cap == 0) return ffi::Error::Success();
   const char* gemm_env = getenv("JSM_GEMM1");  // read per call: benchmarks switch it in-process
   const std::string gemm_choice = gemm_env ? gemm_env : "";
-  if (gemm_choice.rfind("wgmma", 0) == 0) {
+  if (gemm_choice == "ws" && g.H % 128 == 0) {
+    // the warp-specialised kernel while it is validated: opt in with JSM_GEMM1=ws
+    namespace ws = jsm::cuda::gemm1_ws;
+    CUtensorMap map_a, map_b;
+    JSM_RETURN_IF_ERROR(tensor_map(&map_a, g.a, g.H, g.m_cap, jsm::cuda::gemm1_v1::BM));
+    JSM_RETURN_IF_ERROR(
+        tensor_map(&map_b, g.w, g.H, int64_t(g.EL) * 2 * g.I, jsm::cuda::gemm1_v1::BN));
+    g.scales_aligned = scales_aligned(g, jsm::cuda::gemm1_v3::KB);
+    cudaFuncSetAttribute(ws::gemm1_ws_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         ws::kSmemBytes);
+    ws::gemm1_ws_kernel<<<grid, ws::THREADS, ws::kSmemBytes, stream>>>(g, map_a, map_b);
+  } else if (gemm_choice.rfind("wgmma", 0) == 0) {
     // the wgmma kernel while it is validated: opt in with JSM_GEMM1=wgmma (or wgmma5: 5 stages)
     g.scales_aligned = scales_aligned(g, v3::KB);
     if (gemm_choice == "wgmma5")

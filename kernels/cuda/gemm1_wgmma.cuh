@@ -43,43 +43,51 @@ __device__ __forceinline__ int sb_index(int col) {  // col < 128 within the weig
   return (col & 7) / 2 * kSbStride + (col >> 3) * 2 + (col & 1);
 }
 
-// Thread i copies the KB scale bytes of tile row i of stage ks (threads 0-127 the A rows, 128-255
-// the weight rows): one 4-byte cp.async when aligned, so nothing waits on it before the stage's
-// data has landed.
-__device__ __forceinline__ void issue_scales(const Gemm1Args& g, const Tile& t, int ks, Stage& s) {
-  const int tid = threadIdx.x, r = tid & (BM - 1);
+// Copies the KB scale bytes of tile row r (0-127: A rows, 128-255: weight rows) of stage ks to
+// *dst: one 4-byte cp.async when aligned (so nothing waits on it before the stage's data has
+// landed), plain loads otherwise (rare shapes: H % 128 != 0); zeros past the valid rows and H.
+__device__ __forceinline__ void issue_scale_row(const Gemm1Args& g, const Tile& t, int ks, int r,
+                                                uint32_t* dst) {
   const int64_t HS = g.H / kBlock, kb0 = int64_t(ks) * KB;
   const uint8_t* src = nullptr;
-  if (tid < BM) {
+  if (r < BM) {
     if (r < t.rows) src = g.a_scales + (t.row0 + r) * HS;
   } else {
-    const int64_t col = t.n0 + (r & (BN - 1));
-    if (col < g.I) src = g.w_scales + (int64_t(t.e) * 2 * g.I + (r < BN ? 0 : g.I) + col) * HS;
+    const int w = r - BM;
+    const int64_t col = t.n0 + (w & (BN - 1));
+    if (col < g.I) src = g.w_scales + (int64_t(t.e) * 2 * g.I + (w < BN ? 0 : g.I) + col) * HS;
   }
   if (g.scales_aligned) {
     const bool v = src && kb0 < HS;
-    cp_async_small<4>(&s.scale_bytes[tid], v ? src + kb0 : g.w_scales, v);
+    cp_async_small<4>(dst, v ? src + kb0 : g.w_scales, v);
     return;
   }
-  uint32_t v = 0;  // rare shapes (H % 128 != 0): plain loads
+  uint32_t v = 0;
 #pragma unroll
   for (int j = 0; j < KB; ++j)
     if (src && kb0 + j < HS) v |= uint32_t(src[kb0 + j]) << (8 * j);
-  s.scale_bytes[tid] = v;
+  *dst = v;
 }
 
-__device__ __forceinline__ void convert_scales(const Stage& s, Scales& f) {
-  const int tid = threadIdx.x, r = tid & (BM - 1);
-  const uint32_t v = s.scale_bytes[tid];
+__device__ __forceinline__ void issue_scales(const Gemm1Args& g, const Tile& t, int ks, Stage& s) {
+  issue_scale_row(g, t, ks, threadIdx.x, &s.scale_bytes[threadIdx.x]);
+}
+
+// Tile row r's KB scale bytes v (rows 0-127: A rows, 128-255: weight rows) as floats in f.
+__device__ __forceinline__ void store_scale_row(Scales& f, int r, uint32_t v) {
   float x[KB];
 #pragma unroll
   for (int j = 0; j < KB; ++j) x[j] = e8m0_to_f32(uint8_t(v >> (8 * j)));
-  if (tid < BM) {
+  if (r < BM) {
     f.sa[r] = make_float4(x[0], x[1], x[2], x[3]);
   } else {
 #pragma unroll
-    for (int j = 0; j < KB; ++j) f.sb[j][sb_index(r)] = x[j];
+    for (int j = 0; j < KB; ++j) f.sb[j][sb_index(r - BM)] = x[j];
   }
+}
+
+__device__ __forceinline__ void convert_scales(const Stage& s, Scales& f) {
+  store_scale_row(f, threadIdx.x, s.scale_bytes[threadIdx.x]);
 }
 
 // Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 B apart.
@@ -133,6 +141,61 @@ __device__ __forceinline__ void promote(float* acc, const float* d, const Scales
   }
 }
 
+// One stage (KB = 4 MX blocks) of a warpgroup's 64 rows: four wgmma, each block promoted while the
+// next one computes; every wgmma of the stage has completed on return. a: the warpgroup's rows.
+__device__ __forceinline__ void mma_stage(float* acc, float* da, float* db, const uint8_t* a,
+                                          const uint8_t* b, const Scales& fs, int row0, int tig,
+                                          bool warp_active) {
+  const float4 sa0 = fs.sa[row0], sa1 = fs.sa[row0 + 8];
+  wgmma_fence();
+  wgmma_m64n128k32(da, smem_desc(a), smem_desc(b));
+  wgmma_commit();
+  wgmma_fence();
+  wgmma_m64n128k32(db, smem_desc(a + 32), smem_desc(b + 32));
+  wgmma_commit();
+  wgmma_wait<1>();
+  if (warp_active) promote<0>(acc, da, fs, sa0.x, sa1.x, tig);
+  wgmma_fence();
+  wgmma_m64n128k32(da, smem_desc(a + 64), smem_desc(b + 64));
+  wgmma_commit();
+  wgmma_wait<1>();
+  if (warp_active) promote<1>(acc, db, fs, sa0.y, sa1.y, tig);
+  wgmma_fence();
+  wgmma_m64n128k32(db, smem_desc(a + 96), smem_desc(b + 96));
+  wgmma_commit();
+  wgmma_wait<1>();
+  if (warp_active) promote<2>(acc, da, fs, sa0.z, sa1.z, tig);
+  wgmma_wait<0>();
+  if (warp_active) promote<3>(acc, db, fs, sa0.w, sa1.w, tig);
+}
+
+// SwiGLU and the stores of a warpgroup's rows row0 (+8); output columns n0 + j * 8 + tig * 2 + c
+// pair gate tile j with up tile j + 8.
+__device__ __forceinline__ void epilogue(const Gemm1Args& g, const Tile& t, const float* acc,
+                                         int row0, int tig) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int rloc = row0 + 8 * h;
+    const bool row_valid = rloc < t.rows;
+    const int64_t row = t.row0 + rloc;
+#pragma unroll
+    for (int blk = 0; blk < 2; ++blk) {  // two 32-column MX blocks per tile
+      const int64_t col0 = t.n0 + blk * 32;
+      const bool valid = row_valid && col0 < g.I;
+      float v[4][2];
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int j = blk * 4 + n;
+          v[n][c] = swiglu(acc[j * 4 + 2 * h + c], acc[(j + 8) * 4 + 2 * h + c], g.has_limit,
+                           g.limit);
+        }
+      store_block(g, row, col0, valid, v, tig);
+    }
+  }
+}
+
 template <int STAGES>
 __global__ void __launch_bounds__(THREADS, 1) gemm1_kernel(const Gemm1Args g) {
   extern __shared__ uint8_t smem_raw[];
@@ -181,55 +244,12 @@ __global__ void __launch_bounds__(THREADS, 1) gemm1_kernel(const Gemm1Args g) {
       cp_async_commit();
       __syncthreads();  // fs holds stage ks's scales
       const Stage& s = stages[ks % STAGES];
-      if (wg_active) {
-        const float4 sa0 = fs.sa[row0], sa1 = fs.sa[row0 + 8];
-        const uint8_t* a = s.a + wg * 64 * C::KBYTES;
-        wgmma_fence();
-        wgmma_m64n128k32(da, smem_desc(a), smem_desc(s.b));
-        wgmma_commit();
-        wgmma_fence();
-        wgmma_m64n128k32(db, smem_desc(a + 32), smem_desc(s.b + 32));
-        wgmma_commit();
-        wgmma_wait<1>();
-        if (warp_active) promote<0>(acc, da, fs, sa0.x, sa1.x, tig);
-        wgmma_fence();
-        wgmma_m64n128k32(da, smem_desc(a + 64), smem_desc(s.b + 64));
-        wgmma_commit();
-        wgmma_wait<1>();
-        if (warp_active) promote<1>(acc, db, fs, sa0.y, sa1.y, tig);
-        wgmma_fence();
-        wgmma_m64n128k32(db, smem_desc(a + 96), smem_desc(s.b + 96));
-        wgmma_commit();
-        wgmma_wait<1>();
-        if (warp_active) promote<2>(acc, da, fs, sa0.z, sa1.z, tig);
-        wgmma_wait<0>();
-        if (warp_active) promote<3>(acc, db, fs, sa0.w, sa1.w, tig);
-      }
+      if (wg_active) mma_stage(acc, da, db, s.a + wg * 64 * C::KBYTES, s.b, fs, row0, tig,
+                               warp_active);
     }
     cp_async_wait<0>();
 
-    // epilogue: rows row0 (+8), output columns n0 + j * 8 + tig * 2 + c: gate tile j, up tile j + 8
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int rloc = row0 + 8 * h;
-      const bool row_valid = rloc < t.rows;
-      const int64_t row = t.row0 + rloc;
-#pragma unroll
-      for (int blk = 0; blk < 2; ++blk) {  // two 32-column MX blocks per tile
-        const int64_t col0 = t.n0 + blk * 32;
-        const bool valid = row_valid && col0 < g.I;
-        float v[4][2];
-#pragma unroll
-        for (int n = 0; n < 4; ++n)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int j = blk * 4 + n;
-            v[n][c] = swiglu(acc[j * 4 + 2 * h + c], acc[(j + 8) * 4 + 2 * h + c], g.has_limit,
-                             g.limit);
-          }
-        store_block(g, row, col0, valid, v, tig);
-      }
-    }
+    epilogue(g, t, acc, row0, tig);
   }
 }
 
