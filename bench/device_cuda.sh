@@ -5,13 +5,7 @@
 # Usage: bash bench/device_cuda.sh [tests|variants|sanitize|bench|all] ...  (default: all)
 # bench takes JSM_BENCH_SHAPES (default "dsv3 v4pro"), JSM_BENCH_TOKENS (comma list) and
 # JSM_BENCH_ARGS (more bench/run.py flags, e.g. "--skip-native ragged").
-set -uo pipefail
-REPO=$PWD
-export JSM_REQUIRE_CUDA=1 PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/jsm-out}
-mkdir -p "$OUT"
-python3 -m pip install --no-build-isolation --no-deps --no-index . > "$OUT/build.log" 2>&1 \
-  || { tail -40 "$OUT/build.log"; exit 1; }
+source "$(dirname "$0")/device_build.sh"
 grep -A3 "gemm1_kernel" "$OUT/build.log" | grep -E "registers|spill" | head -4
 cd /tmp
 for step in "${@:-all}"; do

@@ -5,13 +5,7 @@
 # in $OUT). Usage: bash bench/device_multigpu.sh [tests|bench|all] ...  (default: all)
 # JSM_TEST_FILTER selects tests (-k); JSM_BENCH_SHAPES, JSM_BENCH_TOKENS, JSM_BENCH_ARGS as in
 # device_cuda.sh.
-set -uo pipefail
-REPO=$PWD
-export JSM_REQUIRE_CUDA=1 PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/jsm-out}
-mkdir -p "$OUT"
-python3 -m pip install --no-build-isolation --no-deps --no-index . > "$OUT/build.log" 2>&1 \
-  || { tail -40 "$OUT/build.log"; exit 1; }
+source "$(dirname "$0")/device_build.sh"
 nvidia-smi topo -m 2>/dev/null | head -4
 cd /tmp
 for step in "${@:-all}"; do

@@ -119,15 +119,7 @@ std::string describe(const LocalRank& me) {
 using BatchMemOpFn = CUresult (*)(CUstream, unsigned int, CUstreamBatchMemOpParams*, unsigned int);
 
 BatchMemOpFn batch_mem_op() {
-  static BatchMemOpFn fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuStreamBatchMemOp", &p, 12000, cudaEnableDefault,
-                                         &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess)
-      p = nullptr;
-    return reinterpret_cast<BatchMemOpFn>(p);
-  }();
+  static BatchMemOpFn fn = cuda::driver_function<BatchMemOpFn>("cuStreamBatchMemOp");
   return fn;
 }
 
@@ -215,7 +207,7 @@ T* at(uint8_t* base, int64_t offset) {
 // Engine ce, steps 1-3 of the protocol for rank `me`: the plan on XLA's stream `st` (the host waits
 // on it), the headers and rows on `side` (which already follows everything before on `st`).
 std::string dispatch_ce(cudaStream_t st, cudaStream_t side, const WindowSet& w, LocalRank& me,
-                        const cuda::EpArgs& a, const Options& opt) {
+                        const cuda::EpArgs& a, const DispatchOptions& opt) {
   const int64_t R = w.R, EL = w.g.EL, H = w.g.H, HS = H / kBlock, S = w.g.send_rows;
   const int p = a.parity, rank = me.rank;
   const EpWindowLayout& L = w.L;
@@ -433,8 +425,8 @@ std::string error_message(int64_t id) {
   return "";
 }
 
-std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendIn& send,
-                     const cuda::LandedOut& out, const Options& opt, GemmLaunch gemm,
+std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendView& send,
+                     const LandedView& out, const DispatchOptions& opt, GemmLaunch gemm,
                      void* gemm_ctx) {
   auto w = find_set(id);
   if (!w) return "jax_sdma_moe dispatch: unknown or closed Runtime window set (" +

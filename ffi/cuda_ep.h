@@ -28,21 +28,6 @@ void windows_destroy(int64_t id);
 // "" or the error a bounded wait of a kernel recorded (first local rank that has one).
 std::string error_message(int64_t id);
 
-struct SendIn {
-  const uint8_t* values;
-  const uint8_t* scales;
-  const int32_t* token;
-  const int32_t* slot;
-  const float* weight;
-  const int32_t* counts;  // [R * EL]
-};
-
-struct Options {
-  int64_t row_align;
-  double timeout_s;
-  int64_t fault_absent_rank, fault_delay_rank, fault_delay_ms;
-};
-
 // This epoch's landing slot as the fused GEMM reads it: rows of expert e may be read once
 // arrival[e * R + s] has reached `epoch` for every source s (null arrival: nothing to wait for).
 struct SlotView {
@@ -63,8 +48,8 @@ using GemmLaunch = std::string (*)(const SlotView& slot, void* stream, void* ctx
 // Without gemm: the landed rows are copied to out (out.values, out.scales). With gemm: it runs
 // between the layout and the headers, reading the rows from the slot as they land (out.values
 // and out.scales are unused). Returns "" or an error message.
-std::string dispatch(void* stream, int64_t id, const cuda::EpGeometry& g, const SendIn& send,
-                     const cuda::LandedOut& out, const Options& opt, GemmLaunch gemm = nullptr,
+std::string dispatch(void* stream, int64_t id, const cuda::EpGeometry& g, const SendView& send,
+                     const LandedView& out, const DispatchOptions& opt, GemmLaunch gemm = nullptr,
                      void* gemm_ctx = nullptr);
 
 }  // namespace ep

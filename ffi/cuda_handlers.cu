@@ -156,16 +156,16 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer values, ffi::AnyBuff
   const int64_t m_cap = rows_of(*out_values), H = last_dim(values);
   if (runtime_id != 0) {
     const jsm::cuda::EpGeometry g{send_counts.dimensions()[0], EL, H, m_cap, rows_of(values)};
-    const jsm::ep::SendIn send{ptr<uint8_t>(values), ptr<uint8_t>(scales), token.typed_data(),
+    const jsm::SendView send{ptr<uint8_t>(values), ptr<uint8_t>(scales), token.typed_data(),
                                slot.typed_data(), weight.typed_data(), send_counts.typed_data()};
-    const jsm::cuda::LandedOut out{
+    const jsm::LandedView out{
         ptr<uint8_t>(out_values),     ptr<uint8_t>(out_scales),        src_rank->typed_data(),
         out_token->typed_data(),      out_slot->typed_data(),          out_weight->typed_data(),
         expert_offsets->typed_data(), expert_counts->typed_data(),     num_rows->typed_data(),
         overflow->typed_data()};
     const std::string err = jsm::ep::dispatch(
         stream, runtime_id, g, send, out,
-        jsm::ep::Options{row_align, timeout_s, fault_absent_rank, fault_delay_rank,
+        jsm::DispatchOptions{row_align, timeout_s, fault_absent_rank, fault_delay_rank,
                          fault_delay_ms});
     return ep_error(err);
   }
@@ -206,15 +206,8 @@ using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t
 // swizzle (the K-major layout wgmma reads), zeros outside.
 ffi::Error tensor_map(CUtensorMap* map, const void* base, int64_t cols, int64_t rows,
                       uint32_t box_rows) {
-  static EncodeTiledFn encode = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
-                                         &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess)
-      p = nullptr;
-    return reinterpret_cast<EncodeTiledFn>(p);
-  }();
+  static EncodeTiledFn encode =
+      jsm::cuda::driver_function<EncodeTiledFn>("cuTensorMapEncodeTiled");
   if (!encode) return ffi::Error::Internal("jax_sdma_moe gemm1: no cuTensorMapEncodeTiled");
   const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
   const cuuint64_t strides[1] = {cuuint64_t(cols)};
@@ -360,9 +353,9 @@ ffi::Error DispatchGemm1Impl(cudaStream_t stream, ffi::AnyBuffer values, ffi::An
       gemm1_args(w_values, w_scales, H, cap, has_limit, swiglu_limit, rets, 0, &g));
   const jsm::cuda::EpGeometry geo{send_counts.dimensions()[0], send_counts.dimensions()[1], H, cap,
                                   rows_of(values)};
-  const jsm::ep::SendIn send{ptr<uint8_t>(values), ptr<uint8_t>(scales), token.typed_data(),
+  const jsm::SendView send{ptr<uint8_t>(values), ptr<uint8_t>(scales), token.typed_data(),
                              slot.typed_data(), weight.typed_data(), send_counts.typed_data()};
-  const jsm::cuda::LandedOut out{nullptr,
+  const jsm::LandedView out{nullptr,
                                  nullptr,
                                  src_rank->typed_data(),
                                  out_token->typed_data(),
@@ -374,7 +367,7 @@ ffi::Error DispatchGemm1Impl(cudaStream_t stream, ffi::AnyBuffer values, ffi::An
                                  overflow->typed_data()};
   return ep_error(jsm::ep::dispatch(
       stream, runtime_id, geo, send, out,
-      jsm::ep::Options{row_align, timeout_s, fault_absent_rank, fault_delay_rank, fault_delay_ms},
+      jsm::DispatchOptions{row_align, timeout_s, fault_absent_rank, fault_delay_rank, fault_delay_ms},
       gemm_on_slot, &g));
 }
 

@@ -26,5 +26,17 @@ inline int grid_for(int64_t items, int per_block) {
   return int(blocks < 1 ? 1 : (blocks < cap ? blocks : cap));
 }
 
+// A driver API function by name (the static runtime links no libcuda; the driver is found at run
+// time), or null.
+template <class Fn>
+Fn driver_function(const char* name) {
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  if (cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+      q != cudaDriverEntryPointSuccess)
+    return nullptr;
+  return reinterpret_cast<Fn>(p);
+}
+
 }  // namespace cuda
 }  // namespace jsm

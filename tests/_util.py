@@ -1,5 +1,8 @@
 """Shared test helpers: 8 virtual CPU devices, random inputs, the §3 tolerance check."""
+import functools
 import os
+import socket
+import subprocess
 import sys
 
 # Must precede the first jax import: XLA sizes the host platform when the backend starts.
@@ -142,3 +145,45 @@ def check_stage1(tc, out, ref, h32_ref, out_dtype):
     np.testing.assert_array_equal(np.asarray(getattr(out, name)), np.asarray(getattr(ref, name)),
                                   err_msg=name)
   check_h(tc, out.h, out.expert_offsets, out.expert_counts, h32_ref, out_dtype)
+
+
+@functools.lru_cache(maxsize=1)  # one shape's weights at a time: dsv3/v4pro w1 are gigabytes
+def random_w1q(shape_name, device):
+  """QuantizedW1 of a fresh random w1 [E, 2I, H] (scaled by 1/sqrt(H)) of a SHAPES entry, made
+  on `device`."""
+  s = jsm.SHAPES[shape_name]
+  key = jax.random.key(np.random.SeedSequence().entropy % (2**31))
+  with jax.default_device(device):
+    w1 = jax.random.normal(key, (s.num_experts, 2 * s.intermediate, s.hidden), jnp.bfloat16
+                           ) * jnp.bfloat16(1.0 / np.sqrt(s.hidden))
+    return jax.block_until_ready(jax.jit(jsm.quantize_w1)(w1))
+
+
+def free_port():
+  with socket.socket() as sock:
+    sock.bind(("localhost", 0))
+    return sock.getsockname()[1]
+
+
+def run_processes(tc, script, n, seed, timeout, env_of=lambda i: {}):
+  """Runs `python script PROCESS_ID n PORT SEED` n times at once (jax.distributed over a fresh
+  local port); each must exit 0 and print 'OK rank <id>'."""
+  port = free_port()
+  procs = []
+  for i in range(n):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(env_of(i))
+    procs.append(subprocess.Popen([sys.executable, script, str(i), str(n), str(port), str(seed)],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True))
+  outs = []
+  for p in procs:
+    try:
+      outs.append(p.communicate(timeout=timeout)[0])
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        q.kill()
+      tc.fail(f"multi-process run timed out (seed {seed})")
+  for i, (p, out) in enumerate(zip(procs, outs)):
+    tc.assertEqual(p.returncode, 0, f"process {i} failed (seed {seed}):\n{out[-4000:]}")
+    tc.assertIn(f"OK rank {i}", out)

@@ -6,11 +6,9 @@ import subprocess
 import sys
 import tempfile
 
-import _util  # noqa: F401
+import _util
 
 from absl.testing import absltest
-
-from test_multiprocess import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -18,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 class BenchMultiProcessTest(absltest.TestCase):
 
   def test_two_processes(self):
-    n, port = 2, free_port()
+    n, port = 2, _util.free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     with tempfile.TemporaryDirectory() as out:
       procs = [subprocess.Popen(

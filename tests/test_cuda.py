@@ -92,18 +92,8 @@ SHAPE_CASES = [(f"{s}_T{T}_{routing}", s, T, routing) for s, T, routing in
 @absltest.skipIf(GPU is None, WHY or "")
 class CudaGemm1Test(parameterized.TestCase):
   """gemm1 (and the local dispatch feeding it) against a per-expert float32 reference."""
-  weights = {}
-
-  @classmethod
-  def w1q(cls, name):
-    if name not in cls.weights:
-      cls.weights.clear()
-      s = jsm.SHAPES[name]
-      key = jax.random.key(np.random.SeedSequence().entropy % (2**31))
-      w1 = jax.random.normal(key, (s.num_experts, 2 * s.intermediate, s.hidden), jnp.bfloat16,
-                             ) * jnp.bfloat16(1.0 / np.sqrt(s.hidden))
-      cls.weights[name] = jax.block_until_ready(jax.jit(jsm.quantize_w1)(on(GPU, w1)))
-    return cls.weights[name]
+  def w1q(self, name):
+    return _util.random_w1q(name, GPU)
 
   @parameterized.named_parameters(*SHAPE_CASES)
   def test_stage1_local(self, shape_name, T, routing):

@@ -2,9 +2,6 @@
 with one GPU each (the `mpirun -n 2` launch mode, started here through jax.distributed flags).
 Skipped without two CUDA GPUs; JSM_REQUIRE_CUDA=1 turns that skip into a failure (device runs)."""
 import os
-import socket
-import subprocess
-import sys
 
 import _util
 
@@ -79,19 +76,8 @@ def check_against_reference(tc, out, x, ids, w, w1q, shape, cfg, T, r):
 
 @absltest.skipIf(not ENOUGH, WHY or "")
 class MultiGpuStage1Test(parameterized.TestCase):
-  weights = {}
-
-  @classmethod
-  def w1q(cls, name):
-    if name not in cls.weights:
-      cls.weights.clear()
-      s = jsm.SHAPES[name]
-      key = jax.random.key(np.random.SeedSequence().entropy % (2**31))
-      with jax.default_device(GPUS[0]):
-        w1 = jax.random.normal(key, (s.num_experts, 2 * s.intermediate, s.hidden), jnp.bfloat16
-                               ) * jnp.bfloat16(1.0 / np.sqrt(s.hidden))
-        cls.weights[name] = jax.block_until_ready(jax.jit(jsm.quantize_w1)(w1))
-    return cls.weights[name]
+  def w1q(self, name):
+    return _util.random_w1q(name, GPUS[0])
 
   def run_engines(self, shape_name, inputs, engines=ENGINES, **cfg_kw):
     s = jsm.SHAPES[shape_name]
@@ -172,37 +158,16 @@ class MultiGpuStage1Test(parameterized.TestCase):
         jax.block_until_ready(f(*args))
 
 
-def free_port():
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
 @absltest.skipIf(not ENOUGH, WHY or "")
 class TwoProcessTest(absltest.TestCase):
 
   def test_two_processes_one_gpu_each(self):
     """The mpirun launch mode: each process owns one GPU and one rank; windows are opened from
     CUDA IPC handles exchanged through jax.distributed; every engine checked on every rank."""
-    port, seed = free_port(), int(np.random.SeedSequence().entropy % (2**31))
-    procs = []
-    for i in range(R):
-      env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-      env["CUDA_VISIBLE_DEVICES"] = str(GPUS[i].local_hardware_id)
-      procs.append(subprocess.Popen(
-          [sys.executable, os.path.join(HERE, "mp_gpu_worker.py"), str(i), str(R), str(port),
-           str(seed)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = []
-    for p in procs:
-      try:
-        outs.append(p.communicate(timeout=400)[0])
-      except subprocess.TimeoutExpired:
-        for q in procs:
-          q.kill()
-        self.fail(f"two-process run timed out (seed {seed})")
-    for i, (p, out) in enumerate(zip(procs, outs)):
-      self.assertEqual(p.returncode, 0, f"process {i} failed (seed {seed}):\n{out[-4000:]}")
-      self.assertIn(f"OK rank {i}", out)
+    _util.run_processes(
+        self, os.path.join(HERE, "mp_gpu_worker.py"), R,
+        int(np.random.SeedSequence().entropy % (2**31)), timeout=400,
+        env_of=lambda i: {"CUDA_VISIBLE_DEVICES": str(GPUS[i].local_hardware_id)})
 
 
 if __name__ == "__main__":

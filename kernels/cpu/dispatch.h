@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/common/dispatch_io.h"
 #include "stage.h"
 
 namespace jsm {
@@ -27,38 +28,6 @@ namespace jsm {
 struct DispatchGeometry {
   int64_t R, EL, H, m_cap, send_rows;
   bool operator<(const DispatchGeometry& o) const;
-};
-
-struct DispatchOptions {
-  int64_t row_align;
-  double timeout_s;
-  int64_t fault_absent_rank;  // this rank never takes part (tests the timeout path)
-  int64_t fault_delay_rank;   // this rank starts late by fault_delay_ms
-  int64_t fault_delay_ms;
-};
-
-// A source rank's send buffer (from qpack/pack) and counts.
-struct SendView {
-  const uint8_t* values;
-  const uint8_t* scales;
-  const int32_t* token;
-  const int32_t* slot;
-  const float* weight;
-  const int32_t* counts;  // [R * EL]
-};
-
-// The landed rows of one rank in §4 layout.
-struct LandedView {
-  uint8_t* values;
-  uint8_t* scales;
-  int32_t* src_rank;
-  int32_t* token;
-  int32_t* slot;
-  float* weight;
-  int32_t* expert_offsets;
-  int32_t* expert_counts;
-  int32_t* num_rows;
-  int32_t* overflow;
 };
 
 // Process-global runtimes, created by Runtime() in Python and freed by Runtime.close().

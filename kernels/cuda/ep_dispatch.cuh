@@ -171,7 +171,7 @@ __global__ void __launch_bounds__(512) ep_sm_kernel(const EpArgs a) {
 // Both engines, first after the puts: wait (bounded) for every source's plan, then write this
 // rank's §4 layout (expert offsets and counts, rows, overflow). absent: this rank takes no part
 // (fault injection): no rows, no wait.
-__global__ void ep_layout_kernel(const EpArgs a, LandedOut out, bool absent) {
+__global__ void ep_layout_kernel(const EpArgs a, LandedView out, bool absent) {
   extern __shared__ int32_t smem[];  // totals[EL], offsets[EL], counts[EL], dropped
   const int R = int(a.g.R), EL = int(a.g.EL);
   int32_t* totals = smem;
@@ -203,7 +203,7 @@ __global__ void ep_layout_kernel(const EpArgs a, LandedOut out, bool absent) {
 // rows straight from the slot, the rows themselves; padding rows get -1 / 0. The slot already
 // holds the §4 layout (each source put its rows at their final offsets): landed row r is slot
 // row r. Needs ep_layout_kernel's offsets and counts.
-__global__ void ep_rows_kernel(const EpArgs a, LandedOut out, bool absent, bool copy_rows) {
+__global__ void ep_rows_kernel(const EpArgs a, LandedView out, bool absent, bool copy_rows) {
   extern __shared__ int32_t smem[];  // offsets[EL], counts[EL]
   const int R = int(a.g.R), EL = int(a.g.EL);
   const int64_t H = a.g.H, HS = H / kBlock, m_cap = a.g.m_cap;

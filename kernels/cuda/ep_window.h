@@ -19,6 +19,7 @@
 
 #include <stdint.h>
 
+#include "kernels/common/dispatch_io.h"
 #include "kernels/common/mxfp8.h"
 
 namespace jsm {
@@ -71,20 +72,6 @@ JSM_HD EpWindowLayout ep_window_layout(const EpGeometry& g) {
 // Every rank's window base as this device addresses it (own allocation, peer-mapped or IPC-opened).
 struct PeerTable {
   uint8_t* base[kMaxRanks];
-};
-
-// The dispatch outputs of one rank (DESIGN.md §4), device pointers.
-struct LandedOut {
-  uint8_t* values;
-  uint8_t* scales;
-  int32_t* src_rank;
-  int32_t* token;
-  int32_t* slot;
-  float* weight;
-  int32_t* expert_offsets;
-  int32_t* expert_counts;
-  int32_t* num_rows;
-  int32_t* overflow;
 };
 
 // Written by a kernel whose bounded wait ran out (host-mapped memory, read by the next call's

@@ -1,0 +1,9 @@
+# Sourced by the device scripts: strict-ish shell, the repository and output folders, and the
+# package built with the machine's own jax (the lent machines have no package registry).
+set -uo pipefail
+REPO=$PWD
+export JSM_REQUIRE_CUDA=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/jsm-out}
+mkdir -p "$OUT"
+python3 -m pip install --no-build-isolation --no-deps --no-index . > "$OUT/build.log" 2>&1 \
+  || { tail -40 "$OUT/build.log"; exit 1; }
