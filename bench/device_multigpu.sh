@@ -2,7 +2,8 @@
 # On a lent 2-GPU machine (nvidia-h200-x2), from the repository root: build with the machine's jax,
 # run the multi-GPU tests (one process with both GPUs, and two processes with one each), then the
 # R = 2 benchmark (engines ce, sm, xla and the JAX-native paths; table in bench.log, JSON and PNG
-# in $OUT). Usage: bash bench/device_multigpu.sh [tests|bench|all] ...  (default: all)
+# in $OUT). Usage: bash bench/device_multigpu.sh [tests|bench|mpibench|all] ... (default: all;
+# mpibench: the benchmark under mpirun -n 2, one GPU per process).
 # JSM_TEST_FILTER selects tests (-k); JSM_BENCH_SHAPES, JSM_BENCH_TOKENS, JSM_BENCH_ARGS as in
 # device_cuda.sh.
 source "$(dirname "$0")/device_build.sh"
@@ -13,6 +14,12 @@ for step in "${@:-all}"; do
     timeout 900 python3 -m pytest -q -x -p no:cacheprovider --durations=8 \
       "$REPO/tests/test_multigpu.py" ${JSM_TEST_FILTER:+-k "$JSM_TEST_FILTER"} 2>&1 \
       | tee "$OUT/tests-multigpu.log" | tail -30
+  fi
+  if [[ $step == mpibench ]]; then  # the same under mpirun, one GPU per process
+    mpirun --allow-run-as-root -n 2 -x PYTHONUNBUFFERED python3 "$REPO/bench/run.py" --gpu \
+      --shapes "$(tr ' ' , <<< "${JSM_BENCH_SHAPES:-dsv3}")" \
+      --tokens "${JSM_BENCH_TOKENS:-128,1024,2048,4096,8192}" --skip-native ragged \
+      ${JSM_BENCH_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench-mpi.log" | grep -v '^- ' | tail -24
   fi
   if [[ $step == bench || $step == all ]]; then
     python3 "$REPO/bench/run.py" --gpu --devices 2 \

@@ -15,7 +15,7 @@ Two modes, one set of paths, checks and timers:
   * --gpu: one device, R = 1, engine `local` (the first GPU; `--platform cpu` runs the same code on
     one CPU device, to try it where there is no GPU); with --devices R > 1, R GPUs of this process
     (engines ce, sm, xla; the peer-copy bandwidth between the first two is measured as the wire
-    ceiling). Inputs and weights are made on the device
+    ceiling); under mpirun (or the explicit flags below), one GPU per process. Inputs and weights are made on the device
     (w1 per shape: jax.random in bf16, quantised by the MX-fp8 kernel inside the same jit, so the
     bf16 copy never outlives it). Checks stay cheap at dsv3 sizes: the layout arrays must equal
     `reference.dispatch`, and h of a sample of experts (first, last, largest, a few random) must
@@ -38,6 +38,7 @@ Usage (from the repository root; `python -m bench.run` works too):
   python bench/run.py --gpu --platform cpu --shapes small --tokens 32,128 --iters 3 --warmup 1
   python bench/run.py --gpu --skip-native ragged   # ragged_dot is slow / out of memory on GPU
   python bench/run.py --gpu --devices 2 --shapes dsv3 --tokens 128,1024,2048,4096,8192
+  mpirun --allow-run-as-root -n 2 python bench/run.py --gpu --shapes dsv3   # one GPU per process
   mpirun --allow-run-as-root -n 2 python bench/run.py --tokens 32,128   # 2 processes, 1 rank each
   python bench/run.py --coordinator localhost:12345 --num-processes 2 --process-id 0 & \
   python bench/run.py --coordinator localhost:12345 --num-processes 2 --process-id 1   # no MPI
@@ -629,9 +630,11 @@ def sampled_reference(shape: jsm.MoEShape, row_align: int, cap: int, inputs, w1q
   E = shape.num_experts
   landed = _reference_layout(x, ids, weights, E=E, row_align=row_align, cap=cap)
   lay = jsm.Stage1Output(
-      None, *to_host((landed.expert_offsets, landed.expert_counts, landed.src_rank,
-                      landed.src_token, landed.topk_slot, landed.topk_weight, landed.num_rows)),
-      np.sum(np.asarray(ids) >= E, axis=(1, 2)).astype(np.int32), np.asarray(landed.overflow))
+      None, *global_to_host((landed.expert_offsets, landed.expert_counts, landed.src_rank,
+                             landed.src_token, landed.topk_slot, landed.topk_weight,
+                             landed.num_rows)),
+      np.sum(global_to_host(ids) >= E, axis=(1, 2)).astype(np.int32),
+      global_to_host(landed.overflow))
   blocks, checked = {}, []
   for rank in range(lay.expert_counts.shape[0]):
     offsets, counts = lay.expert_offsets[rank], lay.expert_counts[rank]
@@ -642,9 +645,9 @@ def sampled_reference(shape: jsm.MoEShape, row_align: int, cap: int, inputs, w1q
     pick |= set(rng.choice(nonempty, min(RANDOM_EXPERTS, len(nonempty)), replace=False).tolist())
     experts = np.array(sorted(int(e) for e in pick), np.int32)
     n = int(counts[experts].max())
-    h32 = np.asarray(_expert_h32(landed.values, landed.scales, jnp.asarray(offsets[experts]),
-                                 jnp.asarray(experts), w1q, rank=rank, n=n,
-                                 swiglu_limit=shape.swiglu_limit))
+    h32 = global_to_host(_expert_h32(landed.values, landed.scales,
+                                     jnp.asarray(offsets[experts]), jnp.asarray(experts), w1q,
+                                     rank=rank, n=n, swiglu_limit=shape.swiglu_limit))
     blocks.update({(rank, int(e)): h32[p, :counts[e]] for p, e in enumerate(experts)})
     checked += [(rank, int(e)) for e in experts]
   return Reference(lay, blocks), checked
@@ -739,6 +742,15 @@ def check_native(out: NativeOut, ref: Reference, ranks: Sequence[int], *, tokens
 
 def to_host(tree):
   return jax.tree.map(np.asarray, tree)
+
+
+def global_to_host(tree):
+  """Whole arrays on the host, also when (multi-process) each process holds only its shards."""
+  def one(a):
+    if not isinstance(a, jax.Array) or a.is_fully_addressable:
+      return np.asarray(a)
+    return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+  return jax.tree.map(one, tree)
 
 
 def local_ranks(tree) -> tuple:
@@ -1284,9 +1296,8 @@ def start_processes(args, launch: str) -> None:
   by jax itself) with gloo for the CPU collectives. Must run before jax starts a backend."""
   if launch == "single":
     return
-  if args.gpu:
-    raise SystemExit("--gpu is the one-device mode (R = 1); in a multi-process run leave it out: "
-                     "the ranks are then every process's device (one GPU each under mpirun)")
+  if args.gpu and args.devices not in (None, 1):
+    raise SystemExit("--gpu --devices: a multi-process run has one device (rank) per process")
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   if launch == "explicit":
     jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
@@ -1304,13 +1315,13 @@ def main(args) -> None:
     raise SystemExit(f"unknown shape(s) {unknown}; known: {sorted(jsm.SHAPES)}")
   tokens = [int(t) for t in parse_list(args.tokens, DEFAULT_TOKENS[mode])]
   default_engines = DEFAULT_ENGINES[mode] if launch == "single" else MULTI_PROCESS_ENGINES
-  if args.gpu and (args.devices or 1) > 1:
-    default_engines = DEFAULT_GPU_MULTI_ENGINES
+  if args.gpu and ((args.devices or 1) > 1 or launch != "single"):
+    default_engines = DEFAULT_GPU_MULTI_ENGINES if args.platform == "gpu" else "xla"
   engines = parse_list(args.engines, default_engines)
   skipped_natives(args)  # reject unknown names before anything runs
   start_processes(args, launch)
   try:
-    rows = (main_single_device(args, shapes, tokens, engines) if args.gpu else
+    rows = (main_single_device(args, shapes, tokens, engines, launch) if args.gpu else
             main_host_devices(args, shapes, tokens, engines, launch))
   except CheckError as e:
     raise SystemExit(f"CHECK FAILED (aborted before timing it; results so far in --out): {e}")
@@ -1354,18 +1365,22 @@ def main_host_devices(args, shapes, tokens, engines, launch: str = "single") -> 
   return rows
 
 
-def main_single_device(args, shapes, tokens, engines) -> list:
-  """--gpu: R = --devices (default 1) devices of --platform in this process; everything made and
-  measured there."""
-  R = args.devices or 1
+def main_single_device(args, shapes, tokens, engines, launch: str = "single") -> list:
+  """--gpu: R = --devices (default 1) devices of --platform in this process, or (multi-process)
+  one device per process; everything made and measured on the devices."""
   try:
-    devices = jax.devices(args.platform)[:R]
+    if launch == "single":
+      R = args.devices or 1
+      devices = jax.devices(args.platform)[:R]
+    else:
+      devices = jax.devices(args.platform)
+      R = len(devices)
   except RuntimeError as e:
     raise SystemExit(f"--gpu: no {args.platform} device ({e}); --platform cpu runs the same code "
                      "on the CPU") from None
   if len(devices) < R:
     raise SystemExit(f"--gpu --devices {R}: only {len(devices)} {args.platform} devices")
-  device = devices[0]
+  device = jax.local_devices(backend=args.platform)[0]
   on_gpu = device.platform != "cpu"
   # Auto axis: the stacked [R, ...] arrays then also feed plain jnp code (the reference), which
   # refuses to reduce over an Explicit-sharded axis
@@ -1379,12 +1394,16 @@ def main_single_device(args, shapes, tokens, engines) -> list:
     # matmul so that trying the mode stays quick
     ceilings = measure_device_ceilings(device, (2 << 30) if on_gpu else (256 << 20),
                                        8192 if on_gpu else 1024)
-    if R > 1:
+    if R > 1 and launch == "single":
       ceilings["peer_copy_gbps"] = peer_copy_gbps(devices[0], devices[1],
                                                   (1 << 30) if on_gpu else (64 << 20))
     tag = ("gpu" if on_gpu else "gpu-cpu") + (f"-x{R}" if R > 1 else "")
-    report = Report(args, args.tag or tag, metadata(args, engines, devices), ceilings,
-                    SINGLE_DEVICE_NOTES)
+    notes = SINGLE_DEVICE_NOTES
+    if launch != "single":
+      tag += "-mpi" if launch == "mpirun" else "-mp"
+      notes += (MULTI_PROCESS_NOTE.format(processes=jax.process_count(), launch=launch),)
+    report = Report(args, args.tag or tag, metadata(args, engines, devices, launch), ceilings,
+                    notes)
     for s, name in enumerate(shapes):
       shape = jsm.SHAPES[name]
       progress(f"[{name}] making w1 on the device")
@@ -1395,7 +1414,8 @@ def main_single_device(args, shapes, tokens, engines) -> list:
                                     rng)
         report.write_json(rows)
       del weights  # the next shape's weights need the memory (v4pro: 17 GB fp8 + 34 GB bf16)
-  print(format_single_device_table(rows, ceilings, skipped_natives(args)))
+  if jax.process_index() == 0:
+    print(format_single_device_table(rows, ceilings, skipped_natives(args)))
   report.finish(rows, ceilings["dense_bf16"])
   return rows
 

@@ -205,17 +205,13 @@ T* at(uint8_t* base, int64_t offset) {
 }
 
 // Engine ce, steps 1-3 of the protocol for rank `me`: the plan on XLA's stream `st` (the host waits
-// on it), the headers and rows on `side` (which already follows everything before on `st`).
+// on it), the rows and their headers (made by dispatch() before the fork) on `side`.
 std::string dispatch_ce(cudaStream_t st, cudaStream_t side, const WindowSet& w, LocalRank& me,
                         const cuda::EpArgs& a, const DispatchOptions& opt) {
-  const int64_t R = w.R, EL = w.g.EL, H = w.g.H, HS = H / kBlock, S = w.g.send_rows;
+  const int64_t R = w.R, EL = w.g.EL, H = w.g.H, HS = H / kBlock;
   const int p = a.parity, rank = me.rank;
   const EpWindowLayout& L = w.L;
-  cuda::RowHeader* headers = at<cuda::RowHeader>(me.own, L.send_headers);
-  if (S > 0)
-    cuda::ep_headers_kernel<<<cuda::grid_for(S, 256), 256, 0, side>>>(a.token, a.slot, a.weight,
-                                                                       S, rank, headers);
-  JSM_CUDA_TRY("dispatch ce headers", cudaGetLastError());
+  const cuda::RowHeader* headers = at<cuda::RowHeader>(me.own, L.send_headers);  // dispatch()
   // 1. the plan to every destination, then its flag
   std::vector<uint32_t*> flags;
   for (int64_t d = 0; d < R; ++d) {
@@ -456,6 +452,14 @@ std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendVi
       std::this_thread::sleep_for(std::chrono::milliseconds(opt.fault_delay_ms));
     a.epoch = ++me->epoch;
     a.parity = int(a.epoch & 1);
+    if (w->engine == kCopyEngine && w->g.send_rows > 0) {
+      // the outgoing headers, on XLA's stream before the fork: a kernel on the side stream could
+      // find every SM taken by the fused GEMM, which waits for these very rows
+      cuda::ep_headers_kernel<<<cuda::grid_for(w->g.send_rows, 256), 256, 0, st>>>(
+          a.token, a.slot, a.weight, w->g.send_rows, me->rank,
+          at<cuda::RowHeader>(me->own, w->L.send_headers));
+      JSM_CUDA_TRY("dispatch ce headers", cudaGetLastError());
+    }
     JSM_CUDA_TRY("dispatch fork", cudaEventRecord(me->fork, st));
     JSM_CUDA_TRY("dispatch fork", cudaStreamWaitEvent(me->side, me->fork, 0));
     if (w->engine == kSmEngine) {

@@ -8,21 +8,25 @@ import tempfile
 
 import _util
 
-from absl.testing import absltest
+from absl.testing import absltest, parameterized
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-class BenchMultiProcessTest(absltest.TestCase):
+class BenchMultiProcessTest(parameterized.TestCase):
 
-  def test_two_processes(self):
+  @parameterized.named_parameters(
+      ("host_devices", (), "cpu-mp2"),
+      # the --gpu mode (device-made inputs, sampled checks on every rank), here on CPU devices
+      ("gpu_mode_on_cpu", ("--gpu", "--platform", "cpu", "--shapes", "small"), "gpu-cpu-x2-mp"))
+  def test_two_processes(self, flags, stem):
     n, port = 2, _util.free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     with tempfile.TemporaryDirectory() as out:
       procs = [subprocess.Popen(
           [sys.executable, os.path.join(ROOT, "bench", "run.py"), "--coordinator",
            f"localhost:{port}", "--num-processes", str(n), "--process-id", str(i), "--tokens", "16",
-           "--iters", "2", "--warmup", "1", "--out", out], cwd=ROOT, env=env,
+           "--iters", "2", "--warmup", "1", "--out", out, *flags], cwd=ROOT, env=env,
           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)]
       outs = []
       for p in procs:
@@ -37,7 +41,7 @@ class BenchMultiProcessTest(absltest.TestCase):
                          f"process {i} failed:\n{stdout[-2000:]}\n{stderr[-3000:]}")
       self.assertIn("engine:xla", outs[0][0])        # process 0 prints the table
       self.assertNotIn("engine:xla", outs[1][0])     # the others do not
-      with open(os.path.join(out, f"cpu-mp{n}.json")) as f:
+      with open(os.path.join(out, f"{stem}.json")) as f:
         result = json.load(f)
       self.assertEqual((result["meta"]["launch"], result["meta"]["processes"]), ("explicit", n))
       self.assertEqual(result["meta"]["devices"], n)

@@ -3,8 +3,9 @@
 //                      headers in one piece;
 //   ep_sm_kernel       engine `sm`: a few blocks put the plan and every segment to the peers with
 //                      stores over NVLink and raise the signals (no host involvement);
-//   ep_readout_kernel  both engines: wait (bounded) for every signal of this rank's slot, then
-//                      write the §4 outputs (landed rows, headers, padding, layout).
+//   ep_layout_kernel   both engines: wait (bounded) for every source's plan, write the §4 layout;
+//   ep_rows_kernel     both engines: wait (bounded) for every signal of this rank's slot, then
+//                      write the row headers (and the rows, unless a fused GEMM read them).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -93,7 +94,7 @@ struct SegmentTable {
   int32_t* base;   // [R * EL]
   int32_t* keep;   // [R * EL]
   int32_t* start;  // [R * EL]
-  int32_t* scratch;  // [2 * EL + 1]
+  int32_t* scratch;  // [3 * EL + 1]: totals, offsets, counts and dropped of one destination
   static __host__ __device__ size_t bytes(int64_t R, int64_t EL) {
     return size_t(3 * R * EL + 3 * EL + 1) * sizeof(int32_t);
   }
@@ -103,7 +104,7 @@ __device__ void build_segments(const EpArgs& a, SegmentTable t) {
   const int R = int(a.g.R), EL = int(a.g.EL);
   const int32_t* plan = at<const int32_t>(a.peers.base[a.rank], a.L.plan[a.parity]);
   int32_t* totals = t.scratch;           // [EL]
-  int32_t* offsets = t.scratch + EL;     // [EL] (counts reuse totals' room after use: see below)
+  int32_t* offsets = t.scratch + EL;     // [EL]
   int32_t* counts = t.scratch + 2 * EL;  // [EL] + dropped
   for (int d = 0; d < R; ++d) {
     for (int e = threadIdx.x; e < EL; e += blockDim.x) {
