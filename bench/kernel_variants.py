@@ -8,7 +8,7 @@ reference.expert_h32 is printed. The route variants (JSM_ROUTE) must produce ide
 table: median ms over --iters calls and useful TFLOP/s."""
 import argparse
 import os
-import time
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,15 +17,12 @@ import numpy as np
 import jax_sdma_moe as jsm
 from jax_sdma_moe import layout, primitives, reference
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from run import time_calls  # noqa: E402  (bench/run.py: one timing protocol)
+
 
 def median_ms(fn, args, iters):
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return 1e3 * float(np.median(times))
+  return time_calls(fn, args, iters, warmup=1)["median_ms"]
 
 
 def main():
