@@ -207,9 +207,9 @@ T* at(uint8_t* base, int64_t offset) {
 // Engine ce, steps 1-3 of the protocol for rank `me`: the plan on XLA's stream `st` (the host waits
 // on it), the rows and their headers (made by dispatch() before the fork) on `side`.
 std::string dispatch_ce(cudaStream_t st, cudaStream_t side, const WindowSet& w, LocalRank& me,
-                        const cuda::EpArgs& a, const DispatchOptions& opt) {
+                        const cuda::EpArgs& a, uint32_t epoch, const DispatchOptions& opt) {
   const int64_t R = w.R, EL = w.g.EL, H = w.g.H, HS = H / kBlock;
-  const int p = a.parity, rank = me.rank;
+  const int p = int(epoch & 1), rank = me.rank;
   const EpWindowLayout& L = w.L;
   const cuda::RowHeader* headers = at<cuda::RowHeader>(me.own, L.send_headers);  // dispatch()
   // 1. the plan to every destination, then its flag
@@ -220,7 +220,7 @@ std::string dispatch_ce(cudaStream_t st, cudaStream_t side, const WindowSet& w, 
                                  a.counts, size_t(R * EL) * 4, cudaMemcpyDefault, st));
     flags.push_back(at<uint32_t>(me.peers.base[d], L.plan_flag[p]) + rank);
   }
-  std::string err = write_flags(st, flags, a.epoch);
+  std::string err = write_flags(st, flags, epoch);
   if (!err.empty()) return err;
   // 2. every source's plan (the first poll also waits for this rank's route and qpack)
   using Clock = std::chrono::steady_clock;
@@ -233,11 +233,11 @@ std::string dispatch_ce(cudaStream_t st, cudaStream_t side, const WindowSet& w, 
     JSM_CUDA_TRY("dispatch ce plan wait", cudaStreamSynchronize(st));
     int64_t missing = -1;
     for (int64_t s = 0; s < R && missing < 0; ++s)
-      if (!cuda::epoch_reached(me.h_flags[s], a.epoch)) missing = s;
+      if (!cuda::epoch_reached(me.h_flags[s], epoch)) missing = s;
     if (missing < 0) break;
     if (Clock::now() > deadline) {
       volatile EpError* e = me.err_host;
-      e->peer = uint32_t(missing), e->expert = 0, e->epoch = a.epoch, e->code = 1;
+      e->peer = uint32_t(missing), e->expert = 0, e->epoch = epoch, e->code = 1;
       return describe(me);
     }
     std::this_thread::sleep_for(std::chrono::microseconds(10));
@@ -279,7 +279,7 @@ std::string dispatch_ce(cudaStream_t st, cudaStream_t side, const WindowSet& w, 
         flags.push_back(at<uint32_t>(dst, L.seg_flag[p]) + e * R + rank);
       }
       err = put(batch, side);
-      if (err.empty()) err = write_flags(side, flags, a.epoch);
+      if (err.empty()) err = write_flags(side, flags, epoch);
       if (!err.empty()) return err;
     }
   }
@@ -433,6 +433,11 @@ std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendVi
     return "jax_sdma_moe dispatch: the call's shapes differ from its window set's";
   LocalRank* me = rank_on_current_device(*w);
   if (!me) return "jax_sdma_moe dispatch: no rank of this Runtime lives on the current device";
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capture);
+  if (capture != cudaStreamCaptureStatusNone && w->engine != kSmEngine)
+    return "jax_sdma_moe dispatch: engine 'ce' synchronises with the host in every call and "
+           "cannot run inside a CUDA graph; use engine 'sm' there";
   me->timeout_s = opt.timeout_s;
   std::string err = describe(*me);
   if (!err.empty()) return err;
@@ -440,6 +445,8 @@ std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendVi
 
   cuda::EpArgs a{};
   a.peers = me->peers, a.L = w->L, a.g = w->g, a.rank = me->rank;
+  uint32_t* epoch_counter = at<uint32_t>(me->own, w->L.epoch_counter);
+  a.epoch_counter = epoch_counter;
   a.row_align = opt.row_align;
   a.timeout_ns = uint64_t(opt.timeout_s * 1e9);
   a.err = me->err_dev;
@@ -450,8 +457,11 @@ std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendVi
   if (!absent) {
     if (opt.fault_delay_rank == me->rank)
       std::this_thread::sleep_for(std::chrono::milliseconds(opt.fault_delay_ms));
-    a.epoch = ++me->epoch;
-    a.parity = int(a.epoch & 1);
+    // the epoch on the device (kernels read it there, also in a replayed CUDA graph); the host's
+    // count runs in step for the ce engine's host-side steps (that engine is never captured)
+    cuda::ep_begin_kernel<<<1, 1, 0, st>>>(epoch_counter);
+    JSM_CUDA_TRY("dispatch begin", cudaGetLastError());
+    const uint32_t epoch = ++me->epoch;
     if (w->engine == kCopyEngine && w->g.send_rows > 0) {
       // the outgoing headers, on XLA's stream before the fork: a kernel on the side stream could
       // find every SM taken by the fused GEMM, which waits for these very rows
@@ -471,7 +481,7 @@ std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendVi
       cuda::ep_sm_kernel<<<sm_blocks, 512, smem, me->side>>>(a);
       JSM_CUDA_TRY("dispatch sm", cudaGetLastError());
     } else {
-      err = dispatch_ce(st, me->side, *w, *me, a, opt);
+      err = dispatch_ce(st, me->side, *w, *me, a, epoch, opt);
       if (!err.empty()) return err;
     }
   }
@@ -479,10 +489,15 @@ std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendVi
   cuda::ep_layout_kernel<<<1, 256, int(3 * EL + 1) * 4, st>>>(a, out, absent);
   JSM_CUDA_TRY("dispatch layout", cudaGetLastError());
   if (gemm) {
-    SlotView slot{at<uint8_t>(me->own, w->L.values[a.parity]),
-                  at<uint8_t>(me->own, w->L.scales[a.parity]),
-                  absent ? nullptr : at<uint32_t>(me->own, w->L.seg_flag[a.parity]),
-                  int(w->R), a.epoch, a.timeout_ns, me->err_dev, cuda::num_sms() - sm_blocks};
+    const EpWindowLayout& L = w->L;
+    SlotView slot{{at<uint8_t>(me->own, L.values[0]), at<uint8_t>(me->own, L.values[1])},
+                  {at<uint8_t>(me->own, L.scales[0]), at<uint8_t>(me->own, L.scales[1])},
+                  {at<uint32_t>(me->own, L.seg_flag[0]), at<uint32_t>(me->own, L.seg_flag[1])},
+                  absent ? nullptr : epoch_counter,
+                  int(w->R),
+                  a.timeout_ns,
+                  me->err_dev,
+                  cuda::num_sms() - sm_blocks};
     err = gemm(slot, st, gemm_ctx);
     if (!err.empty()) return err;
   }

@@ -28,14 +28,16 @@ void windows_destroy(int64_t id);
 // "" or the error a bounded wait of a kernel recorded (first local rank that has one).
 std::string error_message(int64_t id);
 
-// This epoch's landing slot as the fused GEMM reads it: rows of expert e may be read once
-// arrival[e * R + s] has reached `epoch` for every source s (null arrival: nothing to wait for).
+// The landing slots as the fused GEMM reads them: the call's epoch is *epoch_counter (device
+// memory, written by the call's first kernel); rows of expert e in the slot of parity
+// p = epoch & 1 may be read once arrival[p][e * R + s] has reached the epoch for every source s.
+// (arrival null: nothing to wait for, e.g. an absent rank with no rows.)
 struct SlotView {
-  const uint8_t* values;  // [m_cap, H]
-  const uint8_t* scales;  // [m_cap, H/32]
-  const uint32_t* arrival;
+  const uint8_t* values[2];  // [m_cap, H] per parity
+  const uint8_t* scales[2];  // [m_cap, H/32]
+  const uint32_t* arrival[2];
+  const uint32_t* epoch_counter;
   int R;
-  uint32_t epoch;
   uint64_t timeout_ns;
   cuda::EpError* err;
   int sms;  // SMs the GEMM may occupy (the sm engine keeps some)

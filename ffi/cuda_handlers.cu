@@ -241,14 +241,17 @@ ffi::Error launch_gemm1(jsm::cuda::Gemm1Args g, int grid, cudaStream_t stream) {
   if (gemm_choice == "ws" && g.H % 128 == 0) {
     // the warp-specialised kernel while it is validated: opt in with JSM_GEMM1=ws
     namespace ws = jsm::cuda::gemm1_ws;
-    CUtensorMap map_a, map_b;
-    JSM_RETURN_IF_ERROR(tensor_map(&map_a, g.a, g.H, g.m_cap, jsm::cuda::gemm1_v1::BM));
+    CUtensorMap map_a0, map_a1, map_b;
+    JSM_RETURN_IF_ERROR(tensor_map(&map_a0, g.epoch_counter ? g.slot_values[0] : g.a, g.H,
+                                   g.m_cap, jsm::cuda::gemm1_v1::BM));
+    JSM_RETURN_IF_ERROR(tensor_map(&map_a1, g.epoch_counter ? g.slot_values[1] : g.a, g.H,
+                                   g.m_cap, jsm::cuda::gemm1_v1::BM));
     JSM_RETURN_IF_ERROR(
         tensor_map(&map_b, g.w, g.H, int64_t(g.EL) * 2 * g.I, jsm::cuda::gemm1_v1::BN));
     g.scales_aligned = scales_aligned(g, jsm::cuda::gemm1_v3::KB);
     cudaFuncSetAttribute(ws::gemm1_ws_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                          ws::kSmemBytes);
-    ws::gemm1_ws_kernel<<<grid, ws::THREADS, ws::kSmemBytes, stream>>>(g, map_a, map_b);
+    ws::gemm1_ws_kernel<<<grid, ws::THREADS, ws::kSmemBytes, stream>>>(g, map_a0, map_a1, map_b);
   } else if (gemm_choice.rfind("wgmma", 0) == 0) {
     // the wgmma kernel while it is validated: opt in with JSM_GEMM1=wgmma (or wgmma5: 5 stages)
     g.scales_aligned = scales_aligned(g, v3::KB);
@@ -322,11 +325,15 @@ ffi::Error Gemm1Impl(cudaStream_t stream, ffi::AnyBuffer a_values, ffi::AnyBuffe
 // have landed.
 std::string gemm_on_slot(const jsm::ep::SlotView& slot, void* stream, void* ctx) {
   jsm::cuda::Gemm1Args g = *static_cast<const jsm::cuda::Gemm1Args*>(ctx);
-  g.a = slot.values;
-  g.a_scales = slot.scales;
-  g.arrival = slot.arrival;
+  g.a = slot.values[0];  // resolved per epoch in the kernel; [0] stands for both on the host
+  g.a_scales = slot.scales[0];
+  g.epoch_counter = slot.epoch_counter;
+  for (int p = 0; p < 2; ++p) {
+    g.slot_values[p] = slot.values[p];
+    g.slot_scales[p] = slot.scales[p];
+    g.slot_arrival[p] = slot.arrival[p];
+  }
   g.arrival_ranks = slot.R;
-  g.epoch = slot.epoch;
   g.timeout_ns = slot.timeout_ns;
   g.err = slot.err;
   ffi::Error e = launch_gemm1(g, slot.sms, static_cast<cudaStream_t>(stream));
@@ -405,6 +412,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmDispatchCuda, DispatchImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmDispatchGemm1Cuda, DispatchGemm1Impl,
                               jsm::sig::dispatch_gemm1(ffi::Ffi::Bind().Ctx<Stream>()));
+
+// The same two calls for engine sm, which needs no host step per call (its epoch lives on the
+// device): XLA may capture them into command buffers (CUDA graphs) and replay them.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmDispatchGraphCuda, DispatchImpl,
+                              jsm::sig::dispatch(ffi::Ffi::Bind().Ctx<Stream>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmDispatchGemm1GraphCuda, DispatchGemm1Impl,
+                              jsm::sig::dispatch_gemm1(ffi::Ffi::Bind().Ctx<Stream>()),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmGemm1Cuda, Gemm1Impl,
                               jsm::sig::gemm1(ffi::Ffi::Bind().Ctx<Stream>()));

@@ -41,7 +41,9 @@ PYBIND11_MODULE(_jsm_ffi, m) {
     return targets({{"quantize", JsmQuantizeCuda}, {"route", JsmRouteCuda},
                     {"qpack", JsmQpackCuda}, {"pack", JsmPackCuda}, {"dispatch", JsmDispatchCuda},
                     {"gemm1", JsmGemm1Cuda}, {"check_overflow", JsmCheckOverflowCuda},
-                    {"dispatch_gemm1", JsmDispatchGemm1Cuda}});
+                    {"dispatch_gemm1", JsmDispatchGemm1Cuda},
+                    {"dispatch_graph", JsmDispatchGraphCuda},
+                    {"dispatch_gemm1_graph", JsmDispatchGemm1GraphCuda}});
   });
 #endif
   m.def("runtime_create", &jsm::runtime_create, py::arg("num_ranks"));

@@ -107,7 +107,7 @@ def dispatch(send: SendBuffer, send_counts: jax.Array, *, runtime: Runtime, cap:
         send, send_counts, lax.axis_index(runtime.axis_name), runtime_id=target,
         cap=cap, row_align=cfg.row_align, timeout_s=cfg.timeout_s,
         fault_absent_rank=cfg.fault_absent_rank, fault_delay_rank=cfg.fault_delay_rank,
-        fault_delay_ms=cfg.fault_delay_ms)
+        fault_delay_ms=cfg.fault_delay_ms, graph=runtime.engine == "sm")
   return xla_engine.dispatch(send, send_counts, axis_name=runtime.axis_name,
                              num_ranks=runtime.num_ranks, cap=cap, row_align=cfg.row_align,
                              ragged=runtime.platform != "cpu")
@@ -149,7 +149,8 @@ def stage1(x: Union[jax.Array, MXFP8], topk, w1q: QuantizedW1, *, runtime: Runti
         runtime_id=runtime.dispatch_window(H, EL, cap, send.values.shape[0]), cap=cap,
         row_align=cfg.row_align, timeout_s=cfg.timeout_s, swiglu_limit=cfg.swiglu_limit,
         out_dtype=cfg.out_dtype, fault_absent_rank=cfg.fault_absent_rank,
-        fault_delay_rank=cfg.fault_delay_rank, fault_delay_ms=cfg.fault_delay_ms)
+        fault_delay_rank=cfg.fault_delay_rank, fault_delay_ms=cfg.fault_delay_ms,
+        graph=runtime.engine == "sm")
   else:
     landed = dispatch(send, route.send_counts, runtime=runtime, cap=cap)
     h = primitives.gemm1(landed.values, landed.scales, landed.expert_offsets,

@@ -21,9 +21,10 @@ from .types import MXFP8, Landed, Route, SendBuffer
 F8 = jnp.float8_e4m3fn
 TARGET_PREFIX = "jsm_"
 STAGES = ("quantize", "route", "qpack", "pack", "dispatch", "gemm1", "check_overflow",
-          "dispatch_gemm1")
+          "dispatch_gemm1", "dispatch_graph", "dispatch_gemm1_graph")
 # calls XLA must neither drop nor merge
-SIDE_EFFECTS = frozenset({"dispatch", "check_overflow", "dispatch_gemm1"})
+SIDE_EFFECTS = frozenset({"dispatch", "check_overflow", "dispatch_gemm1", "dispatch_graph",
+                          "dispatch_gemm1_graph"})
 
 
 @functools.cache
@@ -136,13 +137,16 @@ def _dispatch_abstract(values, scales, token, slot, weight, send_counts, rank, *
 
 
 _dispatch_p = _make("dispatch", _dispatch_abstract, _DISPATCH_ATTRS)
+# engine sm (CUDA): the same handler, declared safe for XLA's command buffers (CUDA graphs)
+_dispatch_graph_p = _make("dispatch_graph", _dispatch_abstract, _DISPATCH_ATTRS)
 
 
 def dispatch(send: SendBuffer, send_counts: jax.Array, rank: jax.Array, *, runtime_id: int,
              cap: int, row_align: int, timeout_s: float, fault_absent_rank: int = -1,
-             fault_delay_rank: int = -1, fault_delay_ms: int = 0) -> Landed:
+             fault_delay_rank: int = -1, fault_delay_ms: int = 0, graph: bool = False) -> Landed:
+  """graph: the command-buffer-compatible target (engine sm only)."""
   return Landed(*_bind(
-      _dispatch_p, *send, send_counts, rank.astype(jnp.int32), cap=int(cap),
+      _dispatch_graph_p if graph else _dispatch_p, *send, send_counts, rank.astype(jnp.int32), cap=int(cap),
       runtime_id=np.int64(runtime_id), row_align=np.int64(row_align),
       timeout_s=np.float64(timeout_s), fault_absent_rank=np.int64(fault_absent_rank),
       fault_delay_rank=np.int64(fault_delay_rank), fault_delay_ms=np.int64(fault_delay_ms)))
@@ -184,15 +188,18 @@ def _dispatch_gemm1_abstract(values, scales, token, slot, weight, send_counts, r
 
 _dispatch_gemm1_p = _make("dispatch_gemm1", _dispatch_gemm1_abstract,
                           _DISPATCH_ATTRS + ("has_limit", "swiglu_limit"))
+_dispatch_gemm1_graph_p = _make("dispatch_gemm1_graph", _dispatch_gemm1_abstract,
+                                _DISPATCH_ATTRS + ("has_limit", "swiglu_limit"))
 
 
 def dispatch_gemm1(send: SendBuffer, send_counts: jax.Array, rank: jax.Array, w1, *,
                    runtime_id: int, cap: int, row_align: int, timeout_s: float,
                    swiglu_limit: Optional[float], out_dtype: str, fault_absent_rank: int = -1,
-                   fault_delay_rank: int = -1, fault_delay_ms: int = 0):
-  """dispatch and gemm1 as one call (CUDA engines ce, sm): (Landed without the rows, h)."""
+                   fault_delay_rank: int = -1, fault_delay_ms: int = 0, graph: bool = False):
+  """dispatch and gemm1 as one call (CUDA engines ce, sm): (Landed without the rows, h). graph:
+  the command-buffer-compatible target (engine sm only)."""
   outs = _bind(
-      _dispatch_gemm1_p, *send, send_counts, rank.astype(jnp.int32), w1.values, w1.scales,
+      _dispatch_gemm1_graph_p if graph else _dispatch_gemm1_p, *send, send_counts, rank.astype(jnp.int32), w1.values, w1.scales,
       cap=int(cap), out_mxfp8=out_dtype == "mxfp8", runtime_id=np.int64(runtime_id),
       row_align=np.int64(row_align), timeout_s=np.float64(timeout_s),
       fault_absent_rank=np.int64(fault_absent_rank), fault_delay_rank=np.int64(fault_delay_rank),

@@ -1,4 +1,5 @@
 // Device side of the multi-GPU dispatch engines (protocol: kernels/cuda/ep_window.h):
+//   ep_begin_kernel    the call's epoch (device-side: CUDA graph replays count too);
 //   ep_headers_kernel  the outgoing rows' 16-byte headers, so the `ce` engine copies a segment's
 //                      headers in one piece;
 //   ep_sm_kernel       engine `sm`: a few blocks put the plan and every segment to the peers with
@@ -22,8 +23,7 @@ struct EpArgs {
   EpWindowLayout L;
   EpGeometry g;
   int rank;
-  uint32_t epoch;
-  int parity;
+  const uint32_t* epoch_counter;  // this call's epoch, once ep_begin_kernel has run
   int64_t row_align;
   uint64_t timeout_ns;
   EpError* err;  // host-mapped
@@ -36,10 +36,12 @@ struct EpArgs {
   const float* weight;
 };
 
-__device__ __forceinline__ void record_error(const EpArgs& a, uint32_t code, uint32_t peer,
-                                             uint32_t expert) {
-  record_wait_error(a.err, code, peer, expert, a.epoch);
+__device__ __forceinline__ uint32_t call_epoch(const EpArgs& a) {
+  return *static_cast<volatile const uint32_t*>(a.epoch_counter);
 }
+
+// The first kernel of a call (not of an absent rank's): the call's epoch.
+__global__ void ep_begin_kernel(uint32_t* epoch_counter) { *epoch_counter += 1; }
 
 template <class T>
 __device__ __forceinline__ T* at(uint8_t* base, int64_t offset) {
@@ -70,18 +72,18 @@ __device__ __forceinline__ void block_copy(uint8_t* dst, const uint8_t* src, int
 
 // Waits (bounded) until plan_flag[p][s] of this rank's window has reached the epoch for every
 // source; false (and the error recorded) on timeout. All threads of the block call it.
-__device__ bool wait_plan(const EpArgs& a) {
+__device__ bool wait_plan(const EpArgs& a, uint32_t epoch) {
   uint8_t* own = a.peers.base[a.rank];
-  const uint32_t* flags = at<uint32_t>(own, a.L.plan_flag[a.parity]);
+  const uint32_t* flags = at<uint32_t>(own, a.L.plan_flag[epoch & 1]);
   const uint64_t deadline = globaltimer_ns() + a.timeout_ns;
   for (;;) {
     bool ok = true;
     int missing = -1;
     for (int s = threadIdx.x; s < a.g.R; s += blockDim.x)
-      if (!epoch_reached(ld_acquire_sys(flags + s), a.epoch)) ok = false, missing = s;
+      if (!epoch_reached(ld_acquire_sys(flags + s), epoch)) ok = false, missing = s;
     if (__syncthreads_and(ok)) return true;
     if (__syncthreads_or(threadIdx.x == 0 && globaltimer_ns() > deadline)) {  // block-uniform
-      if (missing >= 0) record_error(a, 1, missing, 0);
+      if (missing >= 0) record_wait_error(a.err, 1, missing, 0, epoch);
       return false;
     }
     __nanosleep(500);
@@ -100,9 +102,9 @@ struct SegmentTable {
   }
 };
 
-__device__ void build_segments(const EpArgs& a, SegmentTable t) {
+__device__ void build_segments(const EpArgs& a, int p, SegmentTable t) {
   const int R = int(a.g.R), EL = int(a.g.EL);
-  const int32_t* plan = at<const int32_t>(a.peers.base[a.rank], a.L.plan[a.parity]);
+  const int32_t* plan = at<const int32_t>(a.peers.base[a.rank], a.L.plan[p]);
   int32_t* totals = t.scratch;           // [EL]
   int32_t* offsets = t.scratch + EL;     // [EL]
   int32_t* counts = t.scratch + 2 * EL;  // [EL] + dropped
@@ -138,34 +140,34 @@ __global__ void __launch_bounds__(512) ep_sm_kernel(const EpArgs a) {
   extern __shared__ int32_t smem[];
   const int R = int(a.g.R), EL = int(a.g.EL);
   const int64_t H = a.g.H, HS = H / kBlock;
+  const uint32_t epoch = call_epoch(a);
+  const int p = int(epoch & 1);
   if (blockIdx.x == 0) {
     for (int d = 0; d < R; ++d) {
-      int32_t* dst = at<int32_t>(a.peers.base[d], a.L.plan[a.parity]) + int64_t(a.rank) * R * EL;
+      int32_t* dst = at<int32_t>(a.peers.base[d], a.L.plan[p]) + int64_t(a.rank) * R * EL;
       for (int i = threadIdx.x; i < R * EL; i += blockDim.x) dst[i] = a.counts[i];
     }
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x < R)
-      st_release_sys(at<uint32_t>(a.peers.base[threadIdx.x], a.L.plan_flag[a.parity]) + a.rank,
-                     a.epoch);
+      st_release_sys(at<uint32_t>(a.peers.base[threadIdx.x], a.L.plan_flag[p]) + a.rank, epoch);
   }
-  if (!wait_plan(a)) return;
+  if (!wait_plan(a, epoch)) return;
   SegmentTable t{smem, smem + R * EL, smem + 2 * R * EL, smem + 3 * R * EL};
-  build_segments(a, t);
+  build_segments(a, p, t);
   for (int q = blockIdx.x; q < R * EL; q += gridDim.x) {
     const int d = (a.rank + 1 + q / EL) % R, e = q % EL, i = d * EL + e;
     const int64_t keep = t.keep[i], base = t.base[i], from = t.start[i];
     uint8_t* dst = a.peers.base[d];
-    block_copy(at<uint8_t>(dst, a.L.values[a.parity]) + base * H, a.values + from * H, keep * H);
-    block_copy(at<uint8_t>(dst, a.L.scales[a.parity]) + base * HS, a.scales + from * HS,
-               keep * HS);
-    RowHeader* hdr = at<RowHeader>(dst, a.L.headers[a.parity]) + base;
+    block_copy(at<uint8_t>(dst, a.L.values[p]) + base * H, a.values + from * H, keep * H);
+    block_copy(at<uint8_t>(dst, a.L.scales[p]) + base * HS, a.scales + from * HS, keep * HS);
+    RowHeader* hdr = at<RowHeader>(dst, a.L.headers[p]) + base;
     for (int64_t r = threadIdx.x; r < keep; r += blockDim.x)
       hdr[r] = RowHeader{a.rank, a.token[from + r], a.slot[from + r], a.weight[from + r]};
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0)
-      st_release_sys(at<uint32_t>(dst, a.L.seg_flag[a.parity]) + int64_t(e) * R + a.rank, a.epoch);
+      st_release_sys(at<uint32_t>(dst, a.L.seg_flag[p]) + int64_t(e) * R + a.rank, epoch);
   }
 }
 
@@ -178,8 +180,9 @@ __global__ void ep_layout_kernel(const EpArgs a, LandedView out, bool absent) {
   int32_t* totals = smem;
   int32_t* offsets = smem + EL;
   int32_t* counts = smem + 2 * EL;
-  const bool plan_ok = !absent && wait_plan(a);
-  const int32_t* plan = at<const int32_t>(a.peers.base[a.rank], a.L.plan[a.parity]);
+  const uint32_t epoch = absent ? 0 : call_epoch(a);
+  const bool plan_ok = !absent && wait_plan(a, epoch);
+  const int32_t* plan = at<const int32_t>(a.peers.base[a.rank], a.L.plan[epoch & 1]);
   for (int e = threadIdx.x; e < EL; e += blockDim.x) {
     int32_t sum = 0;
     for (int s = 0; s < R && plan_ok; ++s) sum += __ldcg(plan + int64_t(s) * R * EL + a.rank * EL + e);
@@ -209,6 +212,8 @@ __global__ void ep_rows_kernel(const EpArgs a, LandedView out, bool absent, bool
   const int R = int(a.g.R), EL = int(a.g.EL);
   const int64_t H = a.g.H, HS = H / kBlock, m_cap = a.g.m_cap;
   uint8_t* own = a.peers.base[a.rank];
+  const uint32_t epoch = absent ? 0 : call_epoch(a);
+  const int p = int(epoch & 1);
   int32_t* offsets = smem;
   int32_t* counts = smem + EL;
   for (int e = threadIdx.x; e < EL; e += blockDim.x)
@@ -217,25 +222,25 @@ __global__ void ep_rows_kernel(const EpArgs a, LandedView out, bool absent, bool
     // a wait of this call already ran out (the plan): the call is failed, don't wait again
     const bool failed =  // block-uniform
         __syncthreads_or(threadIdx.x == 0 && static_cast<volatile EpError*>(a.err)->code != 0);
-    const uint32_t* flags = at<const uint32_t>(own, a.L.seg_flag[a.parity]);
+    const uint32_t* flags = at<const uint32_t>(own, a.L.seg_flag[p]);
     const uint64_t deadline = globaltimer_ns() + a.timeout_ns;
     for (;;) {
       bool ok = !failed;
       int missing = -1;
       for (int i = threadIdx.x; i < R * EL && !failed; i += blockDim.x)
-        if (!epoch_reached(ld_acquire_sys(flags + i), a.epoch)) ok = false, missing = i;
+        if (!epoch_reached(ld_acquire_sys(flags + i), epoch)) ok = false, missing = i;
       if (__syncthreads_and(ok) || failed) break;
       if (__syncthreads_or(threadIdx.x == 0 && globaltimer_ns() > deadline)) {
-        if (missing >= 0) record_error(a, 2, missing % R, missing / R);
+        if (missing >= 0) record_wait_error(a.err, 2, missing % R, missing / R, epoch);
         break;  // the rows are not trusted; the error surfaces at the next host check
       }
       __nanosleep(1000);
     }
   }
   __syncthreads();
-  const uint8_t* values = at<const uint8_t>(own, a.L.values[a.parity]);
-  const uint8_t* scales = at<const uint8_t>(own, a.L.scales[a.parity]);
-  const RowHeader* hdr = at<const RowHeader>(own, a.L.headers[a.parity]);
+  const uint8_t* values = at<const uint8_t>(own, a.L.values[p]);
+  const uint8_t* scales = at<const uint8_t>(own, a.L.scales[p]);
+  const RowHeader* hdr = at<const RowHeader>(own, a.L.headers[p]);
   const int lane = threadIdx.x % kWarp;
   for (int64_t r = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / kWarp; r < m_cap;
        r += int64_t(gridDim.x) * blockDim.x / kWarp) {

@@ -2,8 +2,9 @@
 // allocation per rank, the same layout on every rank, so a source computes any destination's
 // addresses from that destination's base pointer. Host and device code share this header.
 //
-// Protocol of epoch n (1, 2, ...; each rank counts its own calls, which run in program order), on
-// parity p = n & 1 — the protocol of kernels/cpu/dispatch.h, with device memory and signals:
+// Protocol of epoch n (1, 2, ...; each rank counts its own calls, which run in program order, in
+// epoch_counter on its device: the first kernel of a call increments it and the others read it),
+// on parity p = n & 1 — the protocol of kernels/cpu/dispatch.h, with device memory and signals:
 //   1. source s puts its send counts [R][EL] into plan[p][s] of every destination, then writes
 //      plan_flag[p][s] = n there (after the counts, in stream order / with a system fence);
 //   2. every rank waits until plan_flag[p][s] has reached n for all s (bounded), so each knows the
@@ -43,6 +44,8 @@ struct EpWindowLayout {
   int64_t plan_flag[2];                      // [R src] uint32
   int64_t seg_flag[2];                       // [EL][R src] uint32
   int64_t send_headers;                      // [send_rows] RowHeader, this rank's outgoing rows
+  int64_t epoch_counter;                     // uint32: this rank's calls so far (device-side, so a
+                                             // captured CUDA graph replays correctly)
   int64_t bytes;
 };
 
@@ -65,6 +68,7 @@ JSM_HD EpWindowLayout ep_window_layout(const EpGeometry& g) {
     w.seg_flag[p] = take(g.EL * g.R * 4);
   }
   w.send_headers = take(g.send_rows * int64_t(sizeof(RowHeader)));
+  w.epoch_counter = take(4);
   w.bytes = off;
   return w;
 }

@@ -37,14 +37,34 @@ struct Gemm1Args {
   uint16_t* h_bf16;    // [m_cap, I] or null
   uint8_t* h_values;   // [m_cap, I] or null (mxfp8 output)
   uint8_t* h_scales;   // [m_cap, I/32]
-  // Arrival (engines ce/sm, fused with the dispatch): expert e's rows may be read once
-  // arrival[e * arrival_ranks + s] has reached `epoch` for every source s. Null: rows are there.
-  const uint32_t* arrival;
+  // Fused with a dispatch (engines ce, sm): the call's epoch is *epoch_counter (on the device, so
+  // a replayed CUDA graph reads the right one); the rows are the landing slot of its parity, and
+  // expert e's rows may be read once slot_arrival[parity][e * arrival_ranks + s] has reached the
+  // epoch for every source s. epoch_counter null: not fused, a and a_scales hold the rows.
+  const uint32_t* epoch_counter;
+  const uint8_t* slot_values[2];
+  const uint8_t* slot_scales[2];
+  const uint32_t* slot_arrival[2];
   int arrival_ranks;
-  uint32_t epoch;
   uint64_t timeout_ns;
   EpError* err;
+  // set by resolve_slot in the kernel
+  const uint32_t* arrival;  // null: nothing to wait for
+  uint32_t epoch;
 };
+
+// The kernel's view of its arguments: a fused call's slot of this epoch.
+__device__ __forceinline__ Gemm1Args resolve_slot(const Gemm1Args& in) {
+  Gemm1Args g = in;
+  if (in.epoch_counter) {
+    g.epoch = *static_cast<volatile const uint32_t*>(in.epoch_counter);
+    const int p = int(g.epoch & 1);
+    g.a = in.slot_values[p];
+    g.a_scales = in.slot_scales[p];
+    g.arrival = in.slot_arrival[p];
+  }
+  return g;
+}
 
 namespace gemm1_v1 {
 
@@ -296,7 +316,8 @@ __device__ __forceinline__ void store_scales(const Gemm1Args& g, typename C::Sta
 }
 
 template <class C>
-__global__ void __launch_bounds__(THREADS, 1) gemm1_kernel(const Gemm1Args g) {
+__global__ void __launch_bounds__(THREADS, 1) gemm1_kernel(const Gemm1Args g_in) {
+  const Gemm1Args g = resolve_slot(g_in);
   constexpr int KB = C::KB, STAGES = C::STAGES;
   using Stage = typename C::Stage;
   extern __shared__ __align__(128) uint8_t smem_raw[];

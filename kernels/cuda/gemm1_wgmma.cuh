@@ -197,7 +197,8 @@ __device__ __forceinline__ void epilogue(const Gemm1Args& g, const Tile& t, cons
 }
 
 template <int STAGES>
-__global__ void __launch_bounds__(THREADS, 1) gemm1_kernel(const Gemm1Args g) {
+__global__ void __launch_bounds__(THREADS, 1) gemm1_kernel(const Gemm1Args g_in) {
+  const Gemm1Args g = resolve_slot(g_in);
   extern __shared__ uint8_t smem_raw[];
   Stage* stages = reinterpret_cast<Stage*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + kAlign - 1) & ~uintptr_t(kAlign - 1));

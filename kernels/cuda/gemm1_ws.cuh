@@ -79,10 +79,14 @@ __device__ __forceinline__ void consumer_barrier(int cw) {  // one consumer warp
   asm volatile("bar.sync %0, 128;" ::"r"(2 + cw) : "memory");
 }
 
-// map_a: landed rows [m_cap, H] bytes, box 128 rows x 128 B; map_b: w1 [EL * 2I, H], box 64 rows.
+// map_a: landed rows [m_cap, H] bytes, box 128 rows x 128 B (fused: one map per slot parity,
+// else map_a1 is unused); map_b: w1 [EL * 2I, H], box 64 rows.
 __global__ void __launch_bounds__(THREADS, 1)
-    gemm1_ws_kernel(const Gemm1Args g, const __grid_constant__ CUtensorMap map_a,
+    gemm1_ws_kernel(const Gemm1Args g_in, const __grid_constant__ CUtensorMap map_a0,
+                    const __grid_constant__ CUtensorMap map_a1,
                     const __grid_constant__ CUtensorMap map_b) {
+  const Gemm1Args g = resolve_slot(g_in);
+  const CUtensorMap* map_a = g.epoch_counter && (g.epoch & 1) ? &map_a1 : &map_a0;
   extern __shared__ uint8_t smem_raw[];
   Shared& sh = *reinterpret_cast<Shared*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                           ~uintptr_t(1023));
@@ -119,7 +123,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         mbar_wait(&sh.empty[b], ((issued / STAGES) & 1) ^ 1);
         if (tid == 0) {
           mbar_arrive_expect_tx(&sh.full[b], kTileBytes);
-          tma_load_2d(sh.tiles[b].a, &map_a, &sh.full[b], ks * KBYTES, int(t.row0));
+          tma_load_2d(sh.tiles[b].a, map_a, &sh.full[b], ks * KBYTES, int(t.row0));
           tma_load_2d(sh.tiles[b].b, &map_b, &sh.full[b], ks * KBYTES, b_row);
           tma_load_2d(sh.tiles[b].b + BN * KBYTES, &map_b, &sh.full[b], ks * KBYTES,
                       b_row + int(g.I));
