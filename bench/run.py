@@ -1312,8 +1312,10 @@ def start_processes(args, launch: str) -> None:
     raise SystemExit("--gpu --devices: a multi-process run has one device (rank) per process")
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   if launch == "explicit":
+    # --gpu on one node: JAX uses GPU <process id> (CUDA still sees every GPU: peer access / IPC)
+    local = [args.process_id] if args.gpu and args.platform == "gpu" else None
     jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
-                               process_id=args.process_id)
+                               process_id=args.process_id, local_device_ids=local)
   else:
     jax.distributed.initialize()
 

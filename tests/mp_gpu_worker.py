@@ -1,5 +1,5 @@
 """One process of a two-process GPU Stage1 run (the `mpirun -n R` launch mode), started by
-test_multigpu.py with one visible GPU each: python mp_gpu_worker.py PROCESS_ID NUM_PROCESSES PORT
+test_multigpu.py, JAX using one GPU each: python mp_gpu_worker.py PROCESS_ID NUM_PROCESSES PORT
 SEED. Each process holds one rank; engines ce, sm and xla must land the same bytes on it, equal to
 the reference layout with h of sampled experts within §3, and 20 back-to-back calls per engine
 stay correct. Prints 'OK rank N' on success."""
@@ -10,7 +10,10 @@ pid, nproc, port, seed = (int(a) for a in sys.argv[1:5])
 
 import jax  # noqa: E402
 
-jax.distributed.initialize(f"localhost:{port}", num_processes=nproc, process_id=pid)
+# JAX uses one GPU per process, but CUDA sees both: CUDA IPC between the GPUs needs the peer device
+# visible (peer access), so no CUDA_VISIBLE_DEVICES masking
+jax.distributed.initialize(f"localhost:{port}", num_processes=nproc, process_id=pid,
+                           local_device_ids=[pid])
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax.numpy as jnp  # noqa: E402

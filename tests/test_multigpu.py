@@ -178,10 +178,8 @@ class TwoProcessTest(absltest.TestCase):
   def test_two_processes_one_gpu_each(self):
     """The mpirun launch mode: each process owns one GPU and one rank; windows are opened from
     CUDA IPC handles exchanged through jax.distributed; every engine checked on every rank."""
-    _util.run_processes(
-        self, os.path.join(HERE, "mp_gpu_worker.py"), R,
-        int(np.random.SeedSequence().entropy % (2**31)), timeout=400,
-        env_of=lambda i: {"CUDA_VISIBLE_DEVICES": str(GPUS[i].local_hardware_id)})
+    _util.run_processes(self, os.path.join(HERE, "mp_gpu_worker.py"), R,
+                        int(np.random.SeedSequence().entropy % (2**31)), timeout=400)
 
 
 if __name__ == "__main__":
