@@ -11,6 +11,9 @@ cd /tmp
 for step in "${@:-all}"; do
   if [[ $step == tests || $step == all ]]; then
     python3 -m pytest -q -p no:cacheprovider --durations=8 "$REPO/tests/test_cuda.py" ${JSM_TEST_FILTER:+-k "$JSM_TEST_FILTER"} 2>&1 | tee "$OUT/tests.log" | tail -25
+    echo "-- engine local with qpack storing rows at their landing rows (JSM_LOCAL_FUSED=1)"
+    JSM_LOCAL_FUSED=1 timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
+      "$REPO/tests/test_cuda.py" -k "T128 or T7 or skewed or xla_engine" --tb=short 2>&1 | grep -E "Error|passed|failed" | tail -4
     for v in wgmma ws; do
       echo "-- gemm1 $v (JSM_GEMM1=$v, opt-in until this passes)"
       JSM_GEMM1=$v timeout 300 python3 -m pytest -q -x -p no:cacheprovider "$REPO/tests/test_cuda.py" \

@@ -98,7 +98,8 @@ ffi::Error launch_pack(cudaStream_t stream, const uint16_t* x, const uint8_t* xv
                        F32Mat weights, S32Mat send_pos, int64_t T, int64_t H,
                        ffi::Result<ffi::AnyBuffer>& values, ffi::Result<ffi::AnyBuffer>& scales,
                        ffi::Result<S32Vec>& token, ffi::Result<S32Vec>& slot,
-                       ffi::Result<F32Vec>& weight) {
+                       ffi::Result<F32Vec>& weight,
+                       jsm::cuda::LandingMap lm = jsm::cuda::LandingMap{}) {
   const int K = int(send_pos.dimensions()[1]);
   if (K > 16) return ffi::Error::InvalidArgument("jax_sdma_moe (CUDA): top-k above 16");
   const int64_t S = token->element_count();
@@ -107,9 +108,11 @@ ffi::Error launch_pack(cudaStream_t stream, const uint16_t* x, const uint8_t* xv
   cudaMemsetAsync(slot->typed_data(), 0xFF, S * sizeof(int32_t), stream);
   cudaMemsetAsync(weight->typed_data(), 0, S * sizeof(float), stream);
   if (T > 0)
-    jsm::cuda::pack_kernel<kQuantize><<<(T + 7) / 8, 256, 0, stream>>>(
-        x, xv, xs, weights.typed_data(), send_pos.typed_data(), T, K, H, ptr<uint8_t>(values),
-        ptr<uint8_t>(scales), token->typed_data(), slot->typed_data(), weight->typed_data());
+    jsm::cuda::pack_kernel<kQuantize>
+        <<<(T + 7) / 8, 256, lm.counts ? jsm::cuda::LandingMap::smem_bytes(lm.EL) : 0, stream>>>(
+            x, xv, xs, weights.typed_data(), send_pos.typed_data(), T, K, H, ptr<uint8_t>(values),
+            ptr<uint8_t>(scales), token->typed_data(), slot->typed_data(), weight->typed_data(),
+            lm);
   return last_error(kQuantize ? "qpack" : "pack");
 }
 
@@ -179,8 +182,36 @@ ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer values, ffi::AnyBuff
       ptr<uint8_t>(out_values), ptr<uint8_t>(out_scales), src_rank->typed_data(),
       out_token->typed_data(), out_slot->typed_data(), out_weight->typed_data(),
       expert_offsets->typed_data(), expert_counts->typed_data(), num_rows->typed_data(),
-      overflow->typed_data());
+      overflow->typed_data(), false);
   return last_error("dispatch");
+}
+
+// Engine local (R = 1), qpack and dispatch in one call: each row quantised once and stored
+// straight at its landing row; then only the padding rows and the layout are written.
+ffi::Error QpackLocalImpl(cudaStream_t stream, BF16Mat x, F32Mat weights, S32Mat send_pos,
+                          S32Mat send_counts, ffi::Result<ffi::AnyBuffer> out_values,
+                          ffi::Result<ffi::AnyBuffer> out_scales, ffi::Result<S32Vec> src_rank,
+                          ffi::Result<S32Vec> out_token, ffi::Result<S32Vec> out_slot,
+                          ffi::Result<F32Vec> out_weight, ffi::Result<S32Vec> expert_offsets,
+                          ffi::Result<S32Vec> expert_counts, ffi::Result<S32Scalar> num_rows,
+                          ffi::Result<S32Scalar> overflow, int64_t row_align) {
+  JSM_RETURN_IF_ERROR(check_dtype(*out_values, ffi::DataType::F8E4M3FN, "qpack_local values"));
+  if (send_counts.dimensions()[0] != 1)
+    return ffi::Error::InvalidArgument("jax_sdma_moe qpack_local: one rank only (R = 1)");
+  const int EL = int(send_counts.dimensions()[1]);
+  const int64_t m_cap = rows_of(*out_values), H = x.dimensions()[1];
+  JSM_RETURN_IF_ERROR(launch_pack<true>(
+      stream, reinterpret_cast<const uint16_t*>(x.typed_data()), nullptr, nullptr, weights,
+      send_pos, x.dimensions()[0], H, out_values, out_scales, out_token, out_slot, out_weight,
+      jsm::cuda::LandingMap{send_counts.typed_data(), EL, row_align, m_cap}));
+  jsm::cuda::dispatch_local_kernel<<<grid_for(m_cap, 8), 256, (3 * EL + 1) * sizeof(int32_t),
+                                     stream>>>(
+      nullptr, nullptr, nullptr, nullptr, nullptr, send_counts.typed_data(), EL, H, m_cap,
+      row_align, ptr<uint8_t>(out_values), ptr<uint8_t>(out_scales), src_rank->typed_data(),
+      out_token->typed_data(), out_slot->typed_data(), out_weight->typed_data(),
+      expert_offsets->typed_data(), expert_counts->typed_data(), num_rows->typed_data(),
+      overflow->typed_data(), true);
+  return last_error("qpack_local");
 }
 
 // A stage's KB scale bytes of a row can be one cp.async when rows of scales keep them aligned.
@@ -406,6 +437,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmQpackCuda, QpackImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmPackCuda, PackImpl,
                               jsm::sig::pack(ffi::Ffi::Bind().Ctx<Stream>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmQpackLocalCuda, QpackLocalImpl,
+                              jsm::sig::qpack_local(ffi::Ffi::Bind().Ctx<Stream>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmDispatchCuda, DispatchImpl,
                               jsm::sig::dispatch(ffi::Ffi::Bind().Ctx<Stream>()));

@@ -43,7 +43,8 @@ PYBIND11_MODULE(_jsm_ffi, m) {
                     {"gemm1", JsmGemm1Cuda}, {"check_overflow", JsmCheckOverflowCuda},
                     {"dispatch_gemm1", JsmDispatchGemm1Cuda},
                     {"dispatch_graph", JsmDispatchGraphCuda},
-                    {"dispatch_gemm1_graph", JsmDispatchGemm1GraphCuda}});
+                    {"dispatch_gemm1_graph", JsmDispatchGemm1GraphCuda},
+                    {"qpack_local", JsmQpackLocalCuda}});
   });
 #endif
   m.def("runtime_create", &jsm::runtime_create, py::arg("num_ranks"));

@@ -54,6 +54,19 @@ auto pack(B b) {
                               .template Arg<F32Mat>().template Arg<S32Mat>());
 }
 
+// the landed rows (as dispatch's) <- x bf16 [T, H], weights [T, K], send_pos [T, K],
+// send_counts [1, EL]: engine local's qpack + dispatch in one call
+template <class B>
+auto qpack_local(B b) {
+  return std::move(b)
+      .template Arg<BF16Mat>().template Arg<F32Mat>().template Arg<S32Mat>()
+      .template Arg<S32Mat>()
+      .template Ret<Any>().template Ret<Any>().template Ret<S32Vec>().template Ret<S32Vec>()
+      .template Ret<S32Vec>().template Ret<F32Vec>().template Ret<S32Vec>().template Ret<S32Vec>()
+      .template Ret<S32Scalar>().template Ret<S32Scalar>()
+      .template Attr<int64_t>("row_align");
+}
+
 // landed rows (values, scales, src_rank, token, slot, weight, expert_offsets, expert_counts,
 // num_rows, overflow) <- send buffer, send_counts [R, EL], rank
 template <class B>

@@ -1,6 +1,7 @@
 """Public entry points: stage1, quantize, quantize_w1 (DESIGN.md §2)."""
 from __future__ import annotations
 
+import os
 from typing import Optional, Tuple, Union
 
 import jax
@@ -139,20 +140,28 @@ def stage1(x: Union[jax.Array, MXFP8], topk, w1q: QuantizedW1, *, runtime: Runti
   rank = lax.axis_index(axis)
 
   route = primitives.route(ids, R, EL)
-  if isinstance(x, MXFP8):
-    send = primitives.pack(x, weights, route.send_pos)
+  h = None  # set when the GEMM is fused with the dispatch
+  if (runtime.engine == "local" and runtime.platform == "cuda" and not isinstance(x, MXFP8)
+      and os.environ.get("JSM_LOCAL_FUSED") == "1"):
+    # experimental until it has run on a GPU: qpack stores rows at their landing rows
+    landed = primitives.qpack_local(x, weights, route.send_pos, route.send_counts, cap=cap,
+                                    row_align=cfg.row_align)
   else:
-    send = primitives.qpack(x, weights, route.send_pos)
-  if runtime.engine in WINDOW_ENGINES and fused_gemm1_ok(H, cfg.row_align):
-    landed, h = primitives.dispatch_gemm1(
-        send, route.send_counts, rank, w1q,
-        runtime_id=runtime.dispatch_window(H, EL, cap, send.values.shape[0]), cap=cap,
-        row_align=cfg.row_align, timeout_s=cfg.timeout_s, swiglu_limit=cfg.swiglu_limit,
-        out_dtype=cfg.out_dtype, fault_absent_rank=cfg.fault_absent_rank,
-        fault_delay_rank=cfg.fault_delay_rank, fault_delay_ms=cfg.fault_delay_ms,
-        graph=runtime.engine == "sm")
-  else:
-    landed = dispatch(send, route.send_counts, runtime=runtime, cap=cap)
+    if isinstance(x, MXFP8):
+      send = primitives.pack(x, weights, route.send_pos)
+    else:
+      send = primitives.qpack(x, weights, route.send_pos)
+    if runtime.engine in WINDOW_ENGINES and fused_gemm1_ok(H, cfg.row_align):
+      landed, h = primitives.dispatch_gemm1(
+          send, route.send_counts, rank, w1q,
+          runtime_id=runtime.dispatch_window(H, EL, cap, send.values.shape[0]), cap=cap,
+          row_align=cfg.row_align, timeout_s=cfg.timeout_s, swiglu_limit=cfg.swiglu_limit,
+          out_dtype=cfg.out_dtype, fault_absent_rank=cfg.fault_absent_rank,
+          fault_delay_rank=cfg.fault_delay_rank, fault_delay_ms=cfg.fault_delay_ms,
+          graph=runtime.engine == "sm")
+    else:
+      landed = dispatch(send, route.send_counts, runtime=runtime, cap=cap)
+  if h is None:
     h = primitives.gemm1(landed.values, landed.scales, landed.expert_offsets,
                          landed.expert_counts, w1q, swiglu_limit=cfg.swiglu_limit,
                          out_dtype=cfg.out_dtype)

@@ -21,7 +21,7 @@ from .types import MXFP8, Landed, Route, SendBuffer
 F8 = jnp.float8_e4m3fn
 TARGET_PREFIX = "jsm_"
 STAGES = ("quantize", "route", "qpack", "pack", "dispatch", "gemm1", "check_overflow",
-          "dispatch_gemm1", "dispatch_graph", "dispatch_gemm1_graph")
+          "dispatch_gemm1", "dispatch_graph", "dispatch_gemm1_graph", "qpack_local")
 # calls XLA must neither drop nor merge
 SIDE_EFFECTS = frozenset({"dispatch", "check_overflow", "dispatch_gemm1", "dispatch_graph",
                           "dispatch_gemm1_graph"})
@@ -172,6 +172,24 @@ def gemm1(landed_values: jax.Array, landed_scales: jax.Array, expert_offsets: ja
                has_limit=np.bool_(swiglu_limit is not None),
                swiglu_limit=np.float32(swiglu_limit or 0.0))
   return MXFP8(*outs) if out_dtype == "mxfp8" else outs[0]
+
+
+# --- qpack_local (engine local on CUDA: qpack + dispatch, rows stored at their landing rows) --
+
+
+def _qpack_local_abstract(x, weights, send_pos, send_counts, *, cap, **_):
+  H = x.shape[-1]
+  return _dispatch_abstract(_aval((1, H), F8), None, None, None, None, send_counts, None, cap=cap)
+
+
+_qpack_local_p = _make("qpack_local", _qpack_local_abstract, ("row_align",))
+
+
+def qpack_local(x: jax.Array, weights: jax.Array, send_pos: jax.Array, send_counts: jax.Array, *,
+                cap: int, row_align: int) -> Landed:
+  """R = 1 (CUDA): each row quantised once and stored straight at its landing row."""
+  return Landed(*_bind(_qpack_local_p, x, weights, send_pos, send_counts, cap=int(cap),
+                       row_align=np.int64(row_align)))
 
 
 # --- dispatch_gemm1 (engines ce, sm: the GEMM starts each expert as its rows land) ----------

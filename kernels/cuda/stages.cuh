@@ -172,13 +172,34 @@ __global__ void route_place_kernel(const int32_t* ids, int64_t n, int32_t E,
   }
 }
 
+// R = 1 only: send positions -> landing rows (DESIGN.md §4), so qpack can store each row where the
+// GEMM reads it (the local dispatch then only writes padding). counts null: positions as given.
+struct LandingMap {
+  const int32_t* counts;  // [EL] send counts of the one rank
+  int EL;
+  int64_t row_align, m_cap;
+  static size_t smem_bytes(int EL) { return size_t(3 * EL + 2) * sizeof(int32_t); }
+};
+
 // qpack / pack: one warp per token; lane j handles MX blocks j, j + 32, ...; each block is
-// quantised (qpack) or read (pack) once and stored to every send row of the token.
+// quantised (qpack) or read (pack) once and stored to every send row of the token (or, with a
+// LandingMap, to every landing row).
 template <bool kQuantize>
 __global__ void pack_kernel(const uint16_t* x, const uint8_t* x_values, const uint8_t* x_scales,
                             const float* weights, const int32_t* send_pos, int64_t T, int K,
                             int64_t H, uint8_t* values, uint8_t* scales, int32_t* token,
-                            int32_t* slot, float* weight) {
+                            int32_t* slot, float* weight, LandingMap lm) {
+  extern __shared__ int32_t smem[];  // with lm: offsets[EL], counts[EL], seg_start[EL + 1], dropped
+  if (lm.counts) {
+    landing_layout_smem(lm.counts, lm.EL, lm.row_align, lm.m_cap, smem, smem + lm.EL,
+                        smem + 3 * lm.EL + 1);
+    if (threadIdx.x == 0) {
+      int32_t run = 0;
+      for (int e = 0; e < lm.EL; ++e) smem[2 * lm.EL + e] = run, run += lm.counts[e];
+      smem[3 * lm.EL] = run;
+    }
+    __syncthreads();
+  }
   const int lane = threadIdx.x % kWarp;
   const int64_t t = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / kWarp;
   if (t >= T) return;
@@ -188,6 +209,16 @@ __global__ void pack_kernel(const uint16_t* x, const uint8_t* x_values, const ui
 #pragma unroll
   for (int k = 0; k < 16; ++k) {
     pos[k] = k < K ? send_pos[t * K + k] : -1;
+    if (lm.counts && pos[k] >= 0) {  // the expert whose segment holds pos, then its landing row
+      const int32_t* seg_start = smem + 2 * lm.EL;
+      int lo = 0, hi = lm.EL - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (seg_start[mid] <= pos[k]) lo = mid; else hi = mid - 1;
+      }
+      const int32_t rank = pos[k] - seg_start[lo];
+      pos[k] = rank < smem[lm.EL + lo] ? smem[lo] + rank : -1;  // past M_cap: dropped
+    }
     routed |= pos[k] >= 0;
   }
   if (!routed) return;
@@ -218,7 +249,8 @@ __global__ void pack_kernel(const uint16_t* x, const uint8_t* x_values, const ui
   }
 }
 
-// dispatch with R = 1: every landing row, landed or padding, written by one warp.
+// dispatch with R = 1: every landing row, landed or padding, written by one warp (rows_in_place:
+// qpack stored the landed rows already; only their source rank and the padding rows remain).
 __global__ void dispatch_local_kernel(const uint8_t* values, const uint8_t* scales,
                                       const int32_t* token, const int32_t* slot,
                                       const float* weight, const int32_t* send_counts, int EL,
@@ -226,7 +258,7 @@ __global__ void dispatch_local_kernel(const uint8_t* values, const uint8_t* scal
                                       uint8_t* out_values, uint8_t* out_scales, int32_t* src_rank,
                                       int32_t* out_token, int32_t* out_slot, float* out_weight,
                                       int32_t* expert_offsets, int32_t* expert_counts,
-                                      int32_t* num_rows, int32_t* overflow) {
+                                      int32_t* num_rows, int32_t* overflow, bool rows_in_place) {
   extern __shared__ int32_t smem[];  // offsets[EL], counts[EL], seg_start[EL], dropped
   int32_t* offsets = smem;
   int32_t* counts = smem + EL;
@@ -253,6 +285,10 @@ __global__ void dispatch_local_kernel(const uint8_t* values, const uint8_t* scal
        r += int64_t(gridDim.x) * blockDim.x / kWarp) {
     const int e = expert_of_row(offsets, counts, EL, r);
     const int64_t p = e < 0 ? -1 : seg_start[e] + (r - offsets[e]);
+    if (rows_in_place && p >= 0) {  // qpack already stored the row and its header here
+      if (lane == 0) src_rank[r] = 0;
+      continue;
+    }
     uint4* dst = reinterpret_cast<uint4*>(out_values + r * H);
     const uint4* src = reinterpret_cast<const uint4*>(values + p * H);
     for (int64_t c = lane; c < H / 16; c += kWarp) dst[c] = p < 0 ? make_uint4(0, 0, 0, 0) : src[c];
