@@ -274,9 +274,9 @@ ffi::Error launch_gemm1(jsm::cuda::Gemm1Args g, int grid, cudaStream_t stream) {
     namespace ws = jsm::cuda::gemm1_ws;
     CUtensorMap map_a0, map_a1, map_b;
     JSM_RETURN_IF_ERROR(tensor_map(&map_a0, g.epoch_counter ? g.slot_values[0] : g.a, g.H,
-                                   g.m_cap, jsm::cuda::gemm1_v1::BM));
+                                   g.m_cap, ws::kABoxRows));
     JSM_RETURN_IF_ERROR(tensor_map(&map_a1, g.epoch_counter ? g.slot_values[1] : g.a, g.H,
-                                   g.m_cap, jsm::cuda::gemm1_v1::BM));
+                                   g.m_cap, ws::kABoxRows));
     JSM_RETURN_IF_ERROR(
         tensor_map(&map_b, g.w, g.H, int64_t(g.EL) * 2 * g.I, jsm::cuda::gemm1_v1::BN));
     g.scales_aligned = scales_aligned(g, jsm::cuda::gemm1_v3::KB);

@@ -25,7 +25,8 @@ using gemm1_v3::KB;
 constexpr int KBYTES = KB * kBlock;  // 128: one SW128 atom row
 constexpr int STAGES = 5, LAG = 2;   // ring depth; stages between a scale copy and its conversion
 constexpr int THREADS = 384;         // producer warpgroup + two consumer warpgroups
-constexpr uint32_t kTileBytes = (BM + BNW) * KBYTES;
+constexpr int kABoxRows = 16;  // A is loaded in boxes of 16 rows: only the tile's valid rows
+                               // (rounded up) cost memory traffic, as cp.async's zero-fill did
 
 struct alignas(1024) Tiles {
   uint8_t a[BM * KBYTES];
@@ -79,8 +80,9 @@ __device__ __forceinline__ void consumer_barrier(int cw) {  // one consumer warp
   asm volatile("bar.sync %0, 128;" ::"r"(2 + cw) : "memory");
 }
 
-// map_a: landed rows [m_cap, H] bytes, box 128 rows x 128 B (fused: one map per slot parity,
-// else map_a1 is unused); map_b: w1 [EL * 2I, H], box 64 rows.
+// map_a: landed rows [m_cap, H] bytes, box kABoxRows rows x 128 B (fused: one map per slot
+// parity, else map_a1 is unused); map_b: w1 [EL * 2I, H], box 64 rows. A rows of the tile past
+// its valid ones (rounded up to a box) keep stale data: they are never stored.
 __global__ void __launch_bounds__(THREADS, 1)
     gemm1_ws_kernel(const Gemm1Args g_in, const __grid_constant__ CUtensorMap map_a0,
                     const __grid_constant__ CUtensorMap map_a1,
@@ -122,8 +124,11 @@ __global__ void __launch_bounds__(THREADS, 1)
         const int b = int(issued % STAGES);
         mbar_wait(&sh.empty[b], ((issued / STAGES) & 1) ^ 1);
         if (tid == 0) {
-          mbar_arrive_expect_tx(&sh.full[b], kTileBytes);
-          tma_load_2d(sh.tiles[b].a, map_a, &sh.full[b], ks * KBYTES, int(t.row0));
+          const int a_boxes = (t.rows + kABoxRows - 1) / kABoxRows;
+          mbar_arrive_expect_tx(&sh.full[b], uint32_t(a_boxes * kABoxRows + BNW) * KBYTES);
+          for (int i = 0; i < a_boxes; ++i)
+            tma_load_2d(sh.tiles[b].a + i * kABoxRows * KBYTES, map_a, &sh.full[b], ks * KBYTES,
+                        int(t.row0) + i * kABoxRows);
           tma_load_2d(sh.tiles[b].b, &map_b, &sh.full[b], ks * KBYTES, b_row);
           tma_load_2d(sh.tiles[b].b + BN * KBYTES, &map_b, &sh.full[b], ks * KBYTES,
                       b_row + int(g.I));
