@@ -108,7 +108,8 @@ class CudaGemm1Test(parameterized.TestCase):
     w = jnp.asarray(r.random((T, K)), jnp.float32)
     w1q = self.w1q(shape_name)
     mesh = jax.sharding.Mesh(np.array([GPU]), ("ep",))
-    for out_dtype in ("bf16", "mxfp8"):
+    # MX-fp8 output where there are rows to speak of (each output dtype is a compile)
+    for out_dtype in ("bf16", "mxfp8") if T >= 128 else ("bf16",):
       cfg = jsm.Stage1Config(engine="local", swiglu_limit=s.swiglu_limit, out_dtype=out_dtype)
       rt = jsm.Runtime(mesh, "ep", cfg)
       f = jax.jit(jax.shard_map(lambda x, i, w, q: jsm.stage1(x, (i, w), q, runtime=rt),
