@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
+from jax.sharding import PartitionSpec as P
 
 import jax_sdma_moe as jsm
 from jax_sdma_moe import reference
@@ -105,6 +106,33 @@ class MultiGpuStage1Test(parameterized.TestCase):
         np.testing.assert_array_equal(_util.as_bytes(a), _util.as_bytes(b),
                                       err_msg=f"{name}: ce vs {engine}")
     check_against_reference(self, outs["ce"], x, ids, w, self.w1q(shape_name), s, cfg, T, r)
+
+  @parameterized.parameters(("small", 128), ("dsv3", 1024))
+  def test_dispatch_alone(self, shape_name, T):
+    """The dispatch stage by itself (rows copied out of the window into XLA's buffers, as the
+    benchmark times it): every landed array, rows included, byte-identical to engine xla's."""
+    r = _util.rng()
+    s = jsm.SHAPES[shape_name]
+    x, ids, w = problem(r, s, T, "masked")
+    mesh = gpu_mesh()
+    EL = s.num_experts // R
+    landed = {}
+    for engine in ENGINES:
+      with jsm.Runtime(mesh, "ep", jsm.Stage1Config(engine=engine)) as rt:
+        cap = jsm.layout.m_cap(R, T, s.topk, EL, rt.config.row_align)
+
+        def body(x, ids, w, rt=rt, cap=cap):
+          route = jsm.primitives.route(ids, R, EL)
+          send = jsm.primitives.qpack(x, w, route.send_pos)
+          out = jsm.api.dispatch(send, route.send_counts, runtime=rt, cap=cap)
+          return jax.tree.map(lambda a: a[None], out)
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+        landed[engine] = jax.tree.map(np.asarray, f(*_util.shard(mesh, (x, ids, w))))
+        rt.check()
+    for engine in ("ce", "sm"):
+      for name, a, b in zip(landed["xla"]._fields, landed["xla"], landed[engine]):
+        np.testing.assert_array_equal(_util.as_bytes(a), _util.as_bytes(b),
+                                      err_msg=f"{name}: xla vs {engine}")
 
   @parameterized.parameters("ce", "sm")
   def test_200_back_to_back(self, engine):
