@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--iters", type=int, default=20, help="timed calls per measurement")
   p.add_argument("--warmup", type=int, default=3, help="untimed calls before timing")
   p.add_argument("--row-align", type=int, default=128, help="Stage1Config.row_align")
+  p.add_argument("--sm-blocks", default="24",
+                 help="engine sm: comma list of Stage1Config.sm_dispatch_blocks, one path each "
+                      "(the SMs the dispatch takes from the GEMM)")
   p.add_argument("--capacity-factor", type=float, default=1.25,
                  help="all_to_all+einsum baseline: capacity / mean rows per (source, expert)")
   p.add_argument("--skip-native", default="", help="comma list of JAX-native baselines not to "
@@ -992,10 +995,15 @@ def make_engine_paths(args, mesh, shape: jsm.MoEShape, cap: int, inputs, w1q,
   """One path per engine (their Runtimes go to `runtimes`, for the caller to close)."""
   paths = []
   for engine in engines:
-    rt = jsm.Runtime(mesh, AXIS, jsm.Stage1Config(engine=engine, row_align=args.row_align,
-                                                  swiglu_limit=shape.swiglu_limit))
-    runtimes.append(rt)
-    paths.append(engine_path(mesh, rt, shape, cap, inputs, w1q, compute_dtype))
+    for blocks in ([int(b) for b in args.sm_blocks.split(",")] if engine == "sm" else [None]):
+      extra = {} if blocks is None else {"sm_dispatch_blocks": blocks}
+      rt = jsm.Runtime(mesh, AXIS, jsm.Stage1Config(engine=engine, row_align=args.row_align,
+                                                    swiglu_limit=shape.swiglu_limit, **extra))
+      runtimes.append(rt)
+      path = engine_path(mesh, rt, shape, cap, inputs, w1q, compute_dtype)
+      if blocks is not None and "," in args.sm_blocks:
+        path.name += f"/{blocks}"
+      paths.append(path)
   return paths
 
 
