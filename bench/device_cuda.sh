@@ -10,7 +10,11 @@ grep -A3 "gemm1_kernel" "$OUT/build.log" | grep -E "registers|spill" | head -4
 cd /tmp
 for step in "${@:-all}"; do
   if [[ $step == tests || $step == all ]]; then
-    python3 -m pytest -q -p no:cacheprovider --durations=8 "$REPO/tests/test_cuda.py" ${JSM_TEST_FILTER:+-k "$JSM_TEST_FILTER"} 2>&1 | tee "$OUT/tests.log" | tail -25
+    # -v into the log, which comes back even when the device call runs out of time (600 s)
+    timeout ${JSM_TEST_TIMEOUT:-480} python3 -m pytest -v -p no:cacheprovider --durations=8 \
+      "$REPO/tests/test_cuda.py" ${JSM_TEST_FILTER:+-k "$JSM_TEST_FILTER"} > "$OUT/tests.log" 2>&1
+    grep -E "PASSED|FAILED|ERROR|SKIPPED" "$OUT/tests.log" | grep -c PASSED | sed 's/^/passed: /'
+    grep -E "FAILED|ERROR|Error:|assert" "$OUT/tests.log" | head -10; tail -12 "$OUT/tests.log"
     echo "-- engine local with qpack storing rows at their landing rows (JSM_LOCAL_FUSED=1)"
     JSM_LOCAL_FUSED=1 timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
       "$REPO/tests/test_cuda.py" -k "T128 or T7 or skewed or xla_engine" --tb=short 2>&1 | grep -E "Error|passed|failed" | tail -4

@@ -11,9 +11,13 @@ nvidia-smi topo -m 2>/dev/null | head -4
 cd /tmp
 for step in "${@:-all}"; do
   if [[ $step == tests || $step == all ]]; then
-    timeout 900 python3 -m pytest -q -x -p no:cacheprovider --durations=8 \
-      "$REPO/tests/test_multigpu.py" ${JSM_TEST_FILTER:+-k "$JSM_TEST_FILTER"} 2>&1 \
-      | tee "$OUT/tests-multigpu.log" | tail -30
+    # -v into the log, which comes back even when the device call runs out of time (600 s)
+    timeout ${JSM_TEST_TIMEOUT:-480} python3 -m pytest -v -x -p no:cacheprovider --durations=8 \
+      "$REPO/tests/test_multigpu.py" ${JSM_TEST_FILTER:+-k "$JSM_TEST_FILTER"} \
+      > "$OUT/tests-multigpu.log" 2>&1
+    grep -c PASSED "$OUT/tests-multigpu.log" | sed 's/^/passed: /'
+    grep -E "FAILED|ERROR|Error:|assert" "$OUT/tests-multigpu.log" | head -10
+    tail -14 "$OUT/tests-multigpu.log"
   fi
   if [[ $step == mpibench ]]; then  # the same under mpirun, one GPU per process
     mpirun --allow-run-as-root -n 2 -x PYTHONUNBUFFERED python3 "$REPO/bench/run.py" --gpu \
