@@ -32,6 +32,7 @@ namespace {
 using cuda::EpError;
 using cuda::EpGeometry;
 using cuda::EpWindowLayout;
+using cuda::at;
 
 constexpr int kFlagChunk = 16;  // experts per batch of copies before their signals (ce)
 constexpr int64_t kMaxSegments = 4096;  // R * EL: the sm kernel keeps its segment table in smem
@@ -52,7 +53,6 @@ struct LocalRank {
 };
 
 struct WindowSet {
-  int64_t R = 0;
   int engine = 0, sm_blocks = 0;
   EpGeometry g{};
   EpWindowLayout L{};
@@ -199,16 +199,11 @@ void free_rank(LocalRank& l) {
   l = LocalRank{};
 }
 
-template <class T>
-T* at(uint8_t* base, int64_t offset) {
-  return reinterpret_cast<T*>(base + offset);
-}
-
 // Engine ce, steps 1-3 of the protocol for rank `me`: the plan on XLA's stream `st` (the host waits
 // on it), the rows and their headers (made by dispatch() before the fork) on `side`.
 std::string dispatch_ce(cudaStream_t st, cudaStream_t side, const WindowSet& w, LocalRank& me,
                         const cuda::EpArgs& a, uint32_t epoch, const DispatchOptions& opt) {
-  const int64_t R = w.R, EL = w.g.EL, H = w.g.H, HS = H / kBlock;
+  const int64_t R = w.g.R, EL = w.g.EL, H = w.g.H, HS = H / kBlock;
   const int p = int(epoch & 1), rank = me.rank;
   const EpWindowLayout& L = w.L;
   const cuda::RowHeader* headers = at<cuda::RowHeader>(me.own, L.send_headers);  // dispatch()
@@ -288,9 +283,10 @@ std::string dispatch_ce(cudaStream_t st, cudaStream_t side, const WindowSet& w, 
 
 }  // namespace
 
-int64_t windows_create(int64_t R, int engine, int sm_blocks, const EpGeometry& g,
+int64_t windows_create(int engine, int sm_blocks, const EpGeometry& g,
                        const std::vector<int64_t>& ranks, const std::vector<int64_t>& devices,
                        std::string* err) {
+  const int64_t R = g.R;
   if (R < 2 || R > cuda::kMaxRanks) {
     *err = "jax_sdma_moe: the ce/sm engines need 2 to " + std::to_string(cuda::kMaxRanks) +
            " ranks, got " + std::to_string(R);
@@ -306,7 +302,7 @@ int64_t windows_create(int64_t R, int engine, int sm_blocks, const EpGeometry& g
     return 0;
   }
   auto w = std::make_shared<WindowSet>();
-  w->R = R, w->engine = engine, w->sm_blocks = sm_blocks, w->g = g;
+  w->engine = engine, w->sm_blocks = sm_blocks, w->g = g;
   w->L = cuda::ep_window_layout(g);
   for (size_t i = 0; i < ranks.size(); ++i) {
     LocalRank l;
@@ -344,7 +340,7 @@ int64_t windows_create(int64_t R, int engine, int sm_blocks, const EpGeometry& g
 std::string windows_connect_local(int64_t id) {
   auto w = find_set(id);
   if (!w) return "jax_sdma_moe: unknown window set";
-  if (int64_t(w->local.size()) != w->R) return "jax_sdma_moe: not every rank is in this process";
+  if (int64_t(w->local.size()) != w->g.R) return "jax_sdma_moe: not every rank is in this process";
   for (auto& a : w->local) {
     DeviceGuard guard(a.device);
     for (auto& b : w->local) {
@@ -381,9 +377,9 @@ std::string windows_open(int64_t id, int64_t rank, const std::vector<std::string
   auto w = find_set(id);
   LocalRank* me = w ? local_rank(*w, rank) : nullptr;
   if (!me) return "jax_sdma_moe: rank " + std::to_string(rank) + " has no window here";
-  if (int64_t(handles.size()) != w->R) return "jax_sdma_moe: one IPC handle per rank expected";
+  if (int64_t(handles.size()) != w->g.R) return "jax_sdma_moe: one IPC handle per rank expected";
   DeviceGuard guard(me->device);
-  for (int64_t s = 0; s < w->R; ++s) {
+  for (int64_t s = 0; s < w->g.R; ++s) {
     if (s == rank) continue;
     if (handles[size_t(s)].size() != sizeof(cudaIpcMemHandle_t))
       return "jax_sdma_moe: malformed IPC handle from rank " + std::to_string(s);
@@ -473,7 +469,7 @@ std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendVi
     JSM_CUDA_TRY("dispatch fork", cudaEventRecord(me->fork, st));
     JSM_CUDA_TRY("dispatch fork", cudaStreamWaitEvent(me->side, me->fork, 0));
     if (w->engine == kSmEngine) {
-      const int smem = int(cuda::SegmentTable::bytes(w->R, w->g.EL));
+      const int smem = int(cuda::SegmentTable::bytes(w->g.R, w->g.EL));
       JSM_CUDA_TRY("dispatch sm",
                    cudaFuncSetAttribute(cuda::ep_sm_kernel,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -494,7 +490,7 @@ std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendVi
                   {at<uint8_t>(me->own, L.scales[0]), at<uint8_t>(me->own, L.scales[1])},
                   {at<uint32_t>(me->own, L.seg_flag[0]), at<uint32_t>(me->own, L.seg_flag[1])},
                   absent ? nullptr : epoch_counter,
-                  int(w->R),
+                  int(w->g.R),
                   a.timeout_ns,
                   me->err_dev,
                   cuda::num_sms() - sm_blocks};

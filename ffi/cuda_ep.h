@@ -16,7 +16,7 @@ enum Engine : int { kCopyEngine = 1, kSmEngine = 2 };
 
 // Allocates (and zeroes) the windows of `ranks`, each on its CUDA device. Returns the set's id > 0,
 // or 0 with *err set.
-int64_t windows_create(int64_t R, int engine, int sm_blocks, const cuda::EpGeometry& g,
+int64_t windows_create(int engine, int sm_blocks, const cuda::EpGeometry& g,
                        const std::vector<int64_t>& ranks, const std::vector<int64_t>& devices,
                        std::string* err);
 // One process holding every rank: enables peer access between the devices, fills the tables.

@@ -58,7 +58,7 @@ PYBIND11_MODULE(_jsm_ffi, m) {
            int64_t send_rows, std::vector<int64_t> ranks, std::vector<int64_t> devices) {
           std::string err;
           const int64_t id = jsm::ep::windows_create(
-              R, engine, sm_blocks, jsm::cuda::EpGeometry{R, EL, H, m_cap, send_rows}, ranks,
+              engine, sm_blocks, jsm::cuda::EpGeometry{R, EL, H, m_cap, send_rows}, ranks,
               devices, &err);
           if (id == 0) throw std::runtime_error(err);
           return id;

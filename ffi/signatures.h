@@ -33,11 +33,41 @@ auto route(B b) {
       .template Ret<S32Scalar>();
 }
 
+// Helpers take the binding by reference (a Binding cannot be moved into a parameter) and
+// extend it.
+
 // the send buffer: values, scales, token, slot, weight
 template <class B>
-auto send_buffer_rets(B b) {
+auto send_buffer_rets(B&& b) {
   return std::move(b).template Ret<Any>().template Ret<Any>().template Ret<S32Vec>()
       .template Ret<S32Vec>().template Ret<F32Vec>();
+}
+
+// send buffer, send_counts [R, EL], rank: what a dispatch reads
+template <class B>
+auto dispatch_args(B&& b) {
+  return std::move(b)
+      .template Arg<Any>().template Arg<Any>().template Arg<S32Vec>().template Arg<S32Vec>()
+      .template Arg<F32Vec>().template Arg<S32Mat>().template Arg<S32Scalar>();
+}
+
+// the landed rows' layout: src_rank, token, slot, weight, expert_offsets, expert_counts,
+// num_rows, overflow
+template <class B>
+auto layout_rets(B&& b) {
+  return std::move(b)
+      .template Ret<S32Vec>().template Ret<S32Vec>().template Ret<S32Vec>().template Ret<F32Vec>()
+      .template Ret<S32Vec>().template Ret<S32Vec>().template Ret<S32Scalar>()
+      .template Ret<S32Scalar>();
+}
+
+// the dispatch attributes (DispatchOptions and the Runtime's window set)
+template <class B>
+auto dispatch_attrs(B&& b) {
+  return std::move(b)
+      .template Attr<int64_t>("runtime_id").template Attr<int64_t>("row_align")
+      .template Attr<double>("timeout_s").template Attr<int64_t>("fault_absent_rank")
+      .template Attr<int64_t>("fault_delay_rank").template Attr<int64_t>("fault_delay_ms");
 }
 
 // send buffer <- x bf16 [T, H], weights [T, K], send_pos [T, K]
@@ -58,12 +88,9 @@ auto pack(B b) {
 // send_counts [1, EL]: engine local's qpack + dispatch in one call
 template <class B>
 auto qpack_local(B b) {
-  return std::move(b)
-      .template Arg<BF16Mat>().template Arg<F32Mat>().template Arg<S32Mat>()
-      .template Arg<S32Mat>()
-      .template Ret<Any>().template Ret<Any>().template Ret<S32Vec>().template Ret<S32Vec>()
-      .template Ret<S32Vec>().template Ret<F32Vec>().template Ret<S32Vec>().template Ret<S32Vec>()
-      .template Ret<S32Scalar>().template Ret<S32Scalar>()
+  return layout_rets(std::move(b)
+                         .template Arg<BF16Mat>().template Arg<F32Mat>().template Arg<S32Mat>()
+                         .template Arg<S32Mat>().template Ret<Any>().template Ret<Any>())
       .template Attr<int64_t>("row_align");
 }
 
@@ -71,15 +98,8 @@ auto qpack_local(B b) {
 // num_rows, overflow) <- send buffer, send_counts [R, EL], rank
 template <class B>
 auto dispatch(B b) {
-  return std::move(b)
-      .template Arg<Any>().template Arg<Any>().template Arg<S32Vec>().template Arg<S32Vec>()
-      .template Arg<F32Vec>().template Arg<S32Mat>().template Arg<S32Scalar>()
-      .template Ret<Any>().template Ret<Any>().template Ret<S32Vec>().template Ret<S32Vec>()
-      .template Ret<S32Vec>().template Ret<F32Vec>().template Ret<S32Vec>().template Ret<S32Vec>()
-      .template Ret<S32Scalar>().template Ret<S32Scalar>()
-      .template Attr<int64_t>("runtime_id").template Attr<int64_t>("row_align")
-      .template Attr<double>("timeout_s").template Attr<int64_t>("fault_absent_rank")
-      .template Attr<int64_t>("fault_delay_rank").template Attr<int64_t>("fault_delay_ms");
+  return dispatch_attrs(
+      layout_rets(dispatch_args(std::move(b)).template Ret<Any>().template Ret<Any>()));
 }
 
 // dispatch + gemm1 fused (engines ce, sm): (src_rank, token, slot, weight, expert_offsets,
@@ -87,17 +107,11 @@ auto dispatch(B b) {
 // send_counts [R, EL], rank, w1 values, w1 scales
 template <class B>
 auto dispatch_gemm1(B b) {
-  return std::move(b)
-      .template Arg<Any>().template Arg<Any>().template Arg<S32Vec>().template Arg<S32Vec>()
-      .template Arg<F32Vec>().template Arg<S32Mat>().template Arg<S32Scalar>()
-      .template Arg<Any>().template Arg<Any>()
-      .template Ret<S32Vec>().template Ret<S32Vec>().template Ret<S32Vec>().template Ret<F32Vec>()
-      .template Ret<S32Vec>().template Ret<S32Vec>().template Ret<S32Scalar>()
-      .template Ret<S32Scalar>().RemainingRets()
-      .template Attr<int64_t>("runtime_id").template Attr<int64_t>("row_align")
-      .template Attr<double>("timeout_s").template Attr<int64_t>("fault_absent_rank")
-      .template Attr<int64_t>("fault_delay_rank").template Attr<int64_t>("fault_delay_ms")
-      .template Attr<bool>("has_limit").template Attr<float>("swiglu_limit");
+  return dispatch_attrs(
+             layout_rets(dispatch_args(std::move(b)).template Arg<Any>().template Arg<Any>())
+                 .RemainingRets())
+      .template Attr<bool>("has_limit")
+      .template Attr<float>("swiglu_limit");
 }
 
 // h (bf16) or (h values, h scales) <- landed values, scales, expert_offsets, expert_counts,

@@ -43,8 +43,9 @@ __device__ __forceinline__ uint32_t call_epoch(const EpArgs& a) {
 // The first kernel of a call (not of an absent rank's): the call's epoch.
 __global__ void ep_begin_kernel(uint32_t* epoch_counter) { *epoch_counter += 1; }
 
+// The section at `offset` of a window (host and device code).
 template <class T>
-__device__ __forceinline__ T* at(uint8_t* base, int64_t offset) {
+__host__ __device__ __forceinline__ T* at(uint8_t* base, int64_t offset) {
   return reinterpret_cast<T*>(base + offset);
 }
 
