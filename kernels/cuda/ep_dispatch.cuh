@@ -96,10 +96,10 @@ __device__ bool wait_plan(const EpArgs& a, uint32_t epoch) {
 struct SegmentTable {
   int32_t* base;   // [R * EL]
   int32_t* keep;   // [R * EL]
-  int32_t* start;  // [R * EL]
+  int32_t* start;  // [R * EL + 1]
   int32_t* scratch;  // [3 * EL + 1]: totals, offsets, counts and dropped of one destination
   static __host__ __device__ size_t bytes(int64_t R, int64_t EL) {
-    return size_t(3 * R * EL + 3 * EL + 1) * sizeof(int32_t);
+    return size_t(3 * R * EL + 1 + 3 * EL + 1) * sizeof(int32_t);
   }
 };
 
@@ -127,11 +127,7 @@ __device__ void build_segments(const EpArgs& a, int p, SegmentTable t) {
     }
     __syncthreads();
   }
-  if (threadIdx.x == 0) {
-    int32_t run = 0;
-    for (int i = 0; i < R * EL; ++i) t.start[i] = run, run += a.counts[i];
-  }
-  __syncthreads();
+  exclusive_scan_smem(R * EL, t.start, [&](int i) { return a.counts[i]; });
 }
 
 // Engine `sm`: block 0 first puts the plan; every block then waits for all plans and stores
@@ -154,7 +150,7 @@ __global__ void __launch_bounds__(512) ep_sm_kernel(const EpArgs a) {
       st_release_sys(at<uint32_t>(a.peers.base[threadIdx.x], a.L.plan_flag[p]) + a.rank, epoch);
   }
   if (!wait_plan(a, epoch)) return;
-  SegmentTable t{smem, smem + R * EL, smem + 2 * R * EL, smem + 3 * R * EL};
+  SegmentTable t{smem, smem + R * EL, smem + 2 * R * EL, smem + 3 * R * EL + 1};
   build_segments(a, p, t);
   for (int q = blockIdx.x; q < R * EL; q += gridDim.x) {
     const int d = (a.rank + 1 + q / EL) % R, e = q % EL, i = d * EL + e;

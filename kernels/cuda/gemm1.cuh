@@ -18,6 +18,7 @@
 
 #include "kernels/common/mxfp8.h"
 #include "kernels/cuda/ep_window.h"
+#include "kernels/cuda/layout.cuh"
 
 namespace jsm {
 namespace cuda {
@@ -190,15 +191,8 @@ struct TileScheduler {
   }
 
   __device__ __forceinline__ void init(const Gemm1Args& g) {
-    if (threadIdx.x == 0) {
-      int32_t run = 0;
-      for (int e = 0; e < g.EL; ++e) {
-        tile_start[e] = run;
-        run += (g.counts[e] + BM - 1) / BM * n_tiles(g);
-      }
-      tile_start[g.EL] = run;
-    }
-    __syncthreads();
+    exclusive_scan_smem(g.EL, tile_start,
+                        [&](int e) { return (g.counts[e] + BM - 1) / BM * n_tiles(g); });
   }
 
   __device__ __forceinline__ int total(const Gemm1Args& g) const { return tile_start[g.EL]; }

@@ -10,19 +10,37 @@ namespace cuda {
 
 constexpr int kWarp = 32;
 
-// §4 offsets of EL experts from per-expert totals, in shared memory (EL is at most a few hundred).
+// dst[i] = value(0) + ... + value(i - 1) for i <= n (dst: n + 1 ints of shared memory). Every
+// thread loads values at once; thread 0's serial pass then reads shared memory only (a serial
+// walk over global memory pays a memory latency per element).
+template <class Value>
+__device__ __forceinline__ void exclusive_scan_smem(int n, int32_t* dst, Value value) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i + 1] = value(i);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    dst[0] = 0;
+    for (int i = 1; i <= n; ++i) dst[i] += dst[i - 1];
+  }
+  __syncthreads();
+}
+
+// §4 offsets of EL experts from per-expert totals (global or shared memory), in shared memory.
+// All threads call it; the totals are staged in `counts` first (see exclusive_scan_smem).
 __device__ __forceinline__ void landing_layout_smem(const int32_t* total, int EL, int64_t row_align,
                                                     int64_t m_cap, int32_t* offsets,
                                                     int32_t* counts, int32_t* dropped) {
+  for (int e = threadIdx.x; e < EL; e += blockDim.x) counts[e] = total[e];
+  __syncthreads();
   if (threadIdx.x == 0) {
     int64_t off = 0, drop = 0;
     for (int e = 0; e < EL; ++e) {
+      const int64_t want = counts[e];
       const int64_t start = off < m_cap ? off : m_cap;
-      int64_t kept = total[e] < m_cap - start ? total[e] : m_cap - start;
+      const int64_t kept = want < m_cap - start ? want : m_cap - start;
       offsets[e] = int32_t(start);
       counts[e] = int32_t(kept);
-      drop += total[e] - kept;
-      off += (int64_t(total[e]) + row_align - 1) / row_align * row_align;
+      drop += want - kept;
+      off += (want + row_align - 1) / row_align * row_align;
     }
     *dropped = int32_t(drop);
   }

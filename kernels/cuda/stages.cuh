@@ -193,12 +193,7 @@ __global__ void pack_kernel(const uint16_t* x, const uint8_t* x_values, const ui
   if (lm.counts) {
     landing_layout_smem(lm.counts, lm.EL, lm.row_align, lm.m_cap, smem, smem + lm.EL,
                         smem + 3 * lm.EL + 1);
-    if (threadIdx.x == 0) {
-      int32_t run = 0;
-      for (int e = 0; e < lm.EL; ++e) smem[2 * lm.EL + e] = run, run += lm.counts[e];
-      smem[3 * lm.EL] = run;
-    }
-    __syncthreads();
+    exclusive_scan_smem(lm.EL, smem + 2 * lm.EL, [&](int e) { return lm.counts[e]; });
   }
   const int lane = threadIdx.x % kWarp;
   const int64_t t = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / kWarp;
@@ -263,10 +258,10 @@ __global__ void dispatch_local_kernel(const uint8_t* values, const uint8_t* scal
   int32_t* offsets = smem;
   int32_t* counts = smem + EL;
   int32_t* seg_start = smem + 2 * EL;
+  // the scan's last entry (the total, unused) is overwritten by `dropped` right after
+  exclusive_scan_smem(EL, seg_start, [&](int e) { return send_counts[e]; });
   landing_layout_smem(send_counts, EL, row_align, m_cap, offsets, counts, smem + 3 * EL);
   if (threadIdx.x == 0) {
-    int32_t run = 0;
-    for (int e = 0; e < EL; ++e) seg_start[e] = run, run += send_counts[e];
     if (blockIdx.x == 0) {
       int32_t rows = 0;
       for (int e = 0; e < EL; ++e) {
