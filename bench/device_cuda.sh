@@ -25,7 +25,9 @@ for step in "${@:-all}"; do
     done
   fi
   if [[ $step == variants ]]; then  # the gemm1 and route variants side by side (quick)
-    timeout 300 python3 "$REPO/bench/kernel_variants.py" --tokens 128,1024,4096,8192 2>&1 | tail -20
+    timeout ${JSM_VARIANTS_TIMEOUT:-300} python3 "$REPO/bench/kernel_variants.py" \
+      ${JSM_VARIANTS_ARGS:---tokens 128,1024,4096,8192} 2>&1 | tee "$OUT/variants.log" \
+      | grep -v "^- " | tail -24
   fi
   if [[ $step == bench || $step == all ]]; then
     python3 "$REPO/bench/run.py" --gpu --shapes "$(tr ' ' , <<< "${JSM_BENCH_SHAPES:-dsv3 v4pro}")" \

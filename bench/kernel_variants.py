@@ -34,6 +34,11 @@ def main():
   p.add_argument("--iters", type=int, default=10)
   a = p.parse_args()
   rows = []
+
+  def emit(row):  # printed as it comes (a device call cut short keeps what ran), table at the end
+    rows.append(row)
+    print("- " + " ".join(str(c) for c in row), flush=True)
+
   for name in a.shapes.split(","):
     s = jsm.SHAPES[name]
     E, K, H, I = s.num_experts, s.topk, s.hidden, s.intermediate
@@ -59,7 +64,7 @@ def main():
             np.testing.assert_array_equal(np.atleast_1d(got).view(np.uint8),
                                           np.atleast_1d(want).view(np.uint8))
         ms = median_ms(route_qpack, (x, ids, weights), a.iters)
-        rows.append((name, T, f"route={v}+qpack", ms, "", ""))
+        emit((name, T, f"route={v}+qpack", ms, "", ""))
       os.environ.pop("JSM_ROUTE")
 
       landed = jax.jit(reference.dispatch, static_argnums=(3, 4, 5))(
@@ -86,13 +91,14 @@ def main():
           err = np.abs(h - base)
           tol = 2e-2 * np.abs(base) + 1e-2 * float(np.abs(base).max())
           bad = int((err > tol).sum())
-          if bad:
-            raise AssertionError(f"gemm1 {v} differs from {a.gemm1.split(',')[0]} at {bad} of "
-                                 f"{err.size} values (max abs err {err.max():.3g})")
+          if bad:  # reported in the table, not timed: the other variants still run
+            emit((name, T, f"gemm1 {v} WRONG", float("nan"), f"{bad}/{err.size} bad",
+                  f"{err.max():.2g}"))
+            continue
         rel = max(np.linalg.norm(h[offs[e]:offs[e] + cnts[e]] - ref) / np.linalg.norm(ref)
                   for e, ref in refs.items())
         ms = median_ms(gemm1, args, a.iters)
-        rows.append((name, T, f"gemm1 {v}", ms, f"{flops / ms / 1e9:.0f}", f"{rel:.1e}"))
+        emit((name, T, f"gemm1 {v}", ms, f"{flops / ms / 1e9:.0f}", f"{rel:.1e}"))
       os.environ.pop("JSM_GEMM1")
   print(f"{'shape':6} {'T':>5} {'what':22} {'ms':>8} {'TFLOP/s':>8} {'rel err':>8}")
   for name, T, what, ms, tf, rel in rows:
