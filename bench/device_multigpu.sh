@@ -12,7 +12,7 @@ cd /tmp
 for step in "${@:-all}"; do
   if [[ $step == tests || $step == all ]]; then
     # -v into the log, which comes back even when the device call runs out of time (600 s)
-    timeout ${JSM_TEST_TIMEOUT:-480} python3 -m pytest -v -x -p no:cacheprovider --durations=8 \
+    timeout ${JSM_TEST_TIMEOUT:-480} python3 -m pytest -v ${JSM_PYTEST_ARGS--x} -p no:cacheprovider --durations=8 \
       "$REPO/tests/test_multigpu.py" ${JSM_TEST_FILTER:+-k "$JSM_TEST_FILTER"} \
       > "$OUT/tests-multigpu.log" 2>&1
     grep -c PASSED "$OUT/tests-multigpu.log" | sed 's/^/passed: /'
