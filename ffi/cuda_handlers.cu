@@ -269,8 +269,9 @@ ffi::Error launch_gemm1(jsm::cuda::Gemm1Args g, int grid, cudaStream_t stream) {
   if (g.m_cap == 0) return ffi::Error::Success();
   const char* gemm_env = getenv("JSM_GEMM1");  // read per call: benchmarks switch it in-process
   const std::string gemm_choice = gemm_env ? gemm_env : "";
-  if (gemm_choice == "ws" && g.H % 128 == 0) {
-    // the warp-specialised kernel while it is validated: opt in with JSM_GEMM1=ws
+  // JSM_GEMM1 picks a kernel for comparisons (bench/kernel_variants.py): ws (the default where
+  // H % 128 == 0: measured fastest, docs/PERF.md), wgmma, or v2 (mma.sync, any H % 32 == 0)
+  if ((gemm_choice.empty() || gemm_choice == "ws") && g.H % 128 == 0) {
     namespace ws = jsm::cuda::gemm1_ws;
     CUtensorMap map_a0, map_a1, map_b;
     JSM_RETURN_IF_ERROR(tensor_map(&map_a0, g.epoch_counter ? g.slot_values[0] : g.a, g.H,
@@ -284,7 +285,7 @@ ffi::Error launch_gemm1(jsm::cuda::Gemm1Args g, int grid, cudaStream_t stream) {
                          ws::kSmemBytes);
     ws::gemm1_ws_kernel<<<grid, ws::THREADS, ws::kSmemBytes, stream>>>(g, map_a0, map_a1, map_b);
   } else if (gemm_choice.rfind("wgmma", 0) == 0) {
-    // the wgmma kernel while it is validated: opt in with JSM_GEMM1=wgmma (or wgmma5: 5 stages)
+    // JSM_GEMM1=wgmma (or wgmma5: 5 stages): one warpgroup role, CTA-wide barriers per stage
     g.scales_aligned = scales_aligned(g, v3::KB);
     if (gemm_choice == "wgmma5")
       launch_persistent(v3::gemm1_kernel<5>, v3::THREADS, v3::smem_bytes(5), g, grid, stream);

@@ -1,4 +1,4 @@
-// Grouped MX-fp8 GEMM1 + SwiGLU, warp-specialised (JSM_GEMM1=ws while it is validated): the tiles,
+// Grouped MX-fp8 GEMM1 + SwiGLU, warp-specialised (the default where H % 128 == 0): the tiles,
 // stage layout and wgmma + promotion of gemm1_wgmma.cuh, without any CTA-wide barrier in the main
 // loop. Measured there (docs/PERF.md): every stage paid a fixed ~1.6 µs whatever its work, the
 // chain barrier -> convert -> issue -> four dependent wgmma -> drain -> barrier of one CTA per SM.
