@@ -14,6 +14,7 @@ for step in "${@:-all}"; do
     timeout ${JSM_TEST_TIMEOUT:-480} python3 -m pytest -v -p no:cacheprovider --durations=8 \
       "$REPO/tests/test_cuda.py" ${JSM_TEST_FILTER:+-k "$JSM_TEST_FILTER"} > "$OUT/tests.log" 2>&1
     grep -E "PASSED|FAILED|ERROR|SKIPPED" "$OUT/tests.log" | grep -c PASSED | sed 's/^/passed: /'
+    pkill -9 -f "tests/(mp_gpu_worker|graph_worker|mp_worker)\.py" || true  # a timeout's orphans
     grep -E "FAILED|ERROR|Error:|assert" "$OUT/tests.log" | head -10; tail -12 "$OUT/tests.log"
     echo "-- engine local with qpack storing rows at their landing rows (JSM_LOCAL_FUSED=1)"
     JSM_LOCAL_FUSED=1 timeout 300 python3 -m pytest -q -x -p no:cacheprovider \

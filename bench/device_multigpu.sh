@@ -16,6 +16,7 @@ for step in "${@:-all}"; do
       "$REPO/tests/test_multigpu.py" ${JSM_TEST_FILTER:+-k "$JSM_TEST_FILTER"} \
       > "$OUT/tests-multigpu.log" 2>&1
     grep -c PASSED "$OUT/tests-multigpu.log" | sed 's/^/passed: /'
+    pkill -9 -f "tests/(mp_gpu_worker|graph_worker|mp_worker)\.py" || true  # a timeout's orphans
     grep -E "FAILED|ERROR|Error:|assert" "$OUT/tests-multigpu.log" | head -10
     tail -14 "$OUT/tests-multigpu.log"
   fi
