@@ -141,6 +141,8 @@ def configure_platform(args) -> None:
   one device, which every backend has); multi-process: one CPU device per process."""
   if launch_mode(args) != "single":
     force_host_devices(1)
+    if args.gpu and args.platform == "gpu":  # engine xla across processes (Runtime checks this)
+      os.environ["XLA_FLAGS"] += " --xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback=true"
   elif not args.gpu:
     force_host_devices(args.devices or DEFAULT_DEVICES)
 

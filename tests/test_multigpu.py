@@ -207,7 +207,8 @@ class TwoProcessTest(absltest.TestCase):
     """The mpirun launch mode: each process owns one GPU and one rank; windows are opened from
     CUDA IPC handles exchanged through jax.distributed; every engine checked on every rank."""
     _util.run_processes(self, os.path.join(HERE, "mp_gpu_worker.py"), R,
-                        int(np.random.SeedSequence().entropy % (2**31)), timeout=400)
+                        int(np.random.SeedSequence().entropy % (2**31)), timeout=400,
+                        env_of=lambda i: {"XLA_FLAGS": f"{jsm.runtime.XLA_RAGGED_NCCL_FLAG}=true"})
 
 
 if __name__ == "__main__":
