@@ -31,7 +31,7 @@ for step in "${@:-all}"; do
       | grep -v "^- " | tail -24
   fi
   if [[ $step == bench || $step == all ]]; then
-    python3 "$REPO/bench/run.py" --gpu --shapes "$(tr ' ' , <<< "${JSM_BENCH_SHAPES:-dsv3 v4pro}")" \
+    timeout ${JSM_BENCH_TIMEOUT:-540} python3 "$REPO/bench/run.py" --gpu --shapes "$(tr ' ' , <<< "${JSM_BENCH_SHAPES:-dsv3 v4pro}")" \
       ${JSM_BENCH_TOKENS:+--tokens "$JSM_BENCH_TOKENS"} ${JSM_BENCH_ARGS:-} --out "$OUT" 2>&1 \
       | tee "$OUT/bench.log" | grep -v '^- ' | tail -16
   fi

@@ -21,13 +21,13 @@ for step in "${@:-all}"; do
     tail -14 "$OUT/tests-multigpu.log"
   fi
   if [[ $step == mpibench ]]; then  # the same under mpirun, one GPU per process
-    mpirun --allow-run-as-root -n 2 -x PYTHONUNBUFFERED python3 "$REPO/bench/run.py" --gpu \
+    timeout ${JSM_BENCH_TIMEOUT:-540} mpirun --allow-run-as-root -n 2 -x PYTHONUNBUFFERED python3 "$REPO/bench/run.py" --gpu \
       --shapes "$(tr ' ' , <<< "${JSM_BENCH_SHAPES:-dsv3}")" \
       --tokens "${JSM_BENCH_TOKENS:-128,1024,2048,4096,8192}" --skip-native ragged \
       ${JSM_BENCH_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench-mpi.log" | grep -v '^- ' | tail -24
   fi
   if [[ $step == bench || $step == all ]]; then
-    python3 "$REPO/bench/run.py" --gpu --devices 2 \
+    timeout ${JSM_BENCH_TIMEOUT:-540} python3 "$REPO/bench/run.py" --gpu --devices 2 \
       --shapes "$(tr ' ' , <<< "${JSM_BENCH_SHAPES:-dsv3 v4pro}")" \
       --tokens "${JSM_BENCH_TOKENS:-128,1024,2048,4096,8192}" --skip-native ragged \
       ${JSM_BENCH_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench-x2.log" | grep -v '^- ' | tail -24
