@@ -73,6 +73,7 @@ DEFAULT_SHAPES = ("small", "dsv3,v4pro")
 DEFAULT_TOKENS = ("128,1024", "128,1024,4096,8192")
 DEFAULT_ENGINES = ("cpu,xla", "local")
 DEFAULT_GPU_MULTI_ENGINES = "ce,sm,xla"  # --gpu --devices R > 1
+DEFAULT_GPU_MULTI_PROCESS_ENGINES = "ce,sm"  # --gpu under mpirun (Runtime refuses xla there)
 MULTI_PROCESS_ENGINES = "xla"  # engine cpu moves rows between the devices of one process only
 DEFAULT_DEVICES = 8
 
@@ -141,8 +142,6 @@ def configure_platform(args) -> None:
   one device, which every backend has); multi-process: one CPU device per process."""
   if launch_mode(args) != "single":
     force_host_devices(1)
-    if args.gpu and args.platform == "gpu":  # engine xla across processes (Runtime checks this)
-      os.environ["XLA_FLAGS"] += " --xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback=true"
   elif not args.gpu:
     force_host_devices(args.devices or DEFAULT_DEVICES)
 
@@ -223,8 +222,9 @@ MULTI_PROCESS_NOTE = (
 SINGLE_DEVICE_NOTES = (
     "R devices of one process (R = 1: engine local). ms: median wall time of one jitted call "
     "until block_until_ready (the max over ranks); JSON has min and p90.",
-    "R > 1: disp GB/s = landed rows * (H + H/32 + 12) bytes / dispatch time (all ranks' rows, "
-    "including the 1/R that stay on their own GPU), against peer_copy_gbps (one direction). The "
+    "Every GB/s and TFLOP/s is per GPU (all ranks' bytes or FLOPs / R), against one GPU's "
+    "ceilings. R > 1: disp GB/s = rows landed on a GPU * (H + H/32 + 12) bytes / dispatch time "
+    "(including the 1/R that stay on their own GPU), against peer_copy_gbps (one direction). The "
     "dispatch stage alone copies the rows out of the window (engines ce, sm); stage1 runs the GEMM "
     "fused with the dispatch (each expert starts when its rows have landed), so stage1 / gemm1 "
     "measures the overlap.",
@@ -914,14 +914,19 @@ def failed_row(path: BenchPath, error: Exception) -> dict:
 def add_rates(row: dict, useful_rows: int, tokens_total: int, row_bytes: Optional[int],
               compute_dtype: str, shape: jsm.MoEShape, ceilings: dict) -> None:
   """Useful GB/s and GFLOP/s of a measured row, and the fraction of the ceilings it reaches.
-  route+qpack bytes: the bf16 tokens read (tokens_total = R*T of them) and the rows written."""
+  route+qpack bytes: the bf16 tokens read (tokens_total = R*T of them) and the rows written.
+  With ceilings["rate_devices"] = R (GPUs, which run in parallel and whose ceilings are one
+  GPU's) every rate is per GPU: all ranks' bytes and FLOPs / R (the JSON's totals stay whole)."""
+  per = ceilings.get("rate_devices", 1)
   flops = 2 * useful_rows * shape.hidden * 2 * shape.intermediate
   wire = useful_rows * row_bytes if row_bytes else 0
+  row["compute_dtype"] = compute_dtype
+  row["useful_rows"], row["wire_bytes"], row["gemm1_flops"] = useful_rows, wire, flops
+  row["rates_per_device"] = per > 1
+  flops, wire, tokens_total = flops / per, wire / per, tokens_total / per
   copy_gbps = ceilings["copy_gbps"]
   copy_bound_s = 2 * wire / (copy_gbps * 1e9)
   mm_bound_s = flops / (ceilings["matmul_gflops"][compute_dtype] * 1e9)
-  row["compute_dtype"] = compute_dtype
-  row["useful_rows"], row["wire_bytes"], row["gemm1_flops"] = useful_rows, wire, flops
   frac = {"stage1": max(copy_bound_s, mm_bound_s) / (row["stage1"]["median_ms"] * 1e-3)}
   if row["stages"]:
     q, d, g = (row["stages"][s] for s in STAGES)
@@ -1090,7 +1095,7 @@ def bench_single_config(args, mesh, shape: jsm.MoEShape, T: int, weights: tuple,
   dense = {"shape": shape.name, "tokens": T,
            **dense_bf16_matmul(T * K, H, 2 * I, args.iters, args.warmup, k_dense)}
   ceilings["dense_bf16"].append(dense)
-  config_ceilings = {**ceilings, "matmul_gflops": {"bf16": dense["gflops"]}}
+  config_ceilings = {**ceilings, "matmul_gflops": {"bf16": dense["gflops"]}, "rate_devices": R}
 
   runtimes = []
   try:
@@ -1341,6 +1346,8 @@ def main(args) -> None:
   default_engines = DEFAULT_ENGINES[mode] if launch == "single" else MULTI_PROCESS_ENGINES
   if args.gpu and ((args.devices or 1) > 1 or launch != "single"):
     default_engines = DEFAULT_GPU_MULTI_ENGINES if args.platform == "gpu" else "xla"
+    if launch != "single" and args.platform == "gpu":  # engine xla: not across GPU processes
+      default_engines = DEFAULT_GPU_MULTI_PROCESS_ENGINES
   engines = parse_list(args.engines, default_engines)
   skipped_natives(args)  # reject unknown names before anything runs
   start_processes(args, launch)

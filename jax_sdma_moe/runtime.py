@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import itertools
-import os
 import sys
 import threading
 
@@ -20,8 +19,6 @@ _BUILT_ENGINES = ("cpu", "local", "xla", "ce", "sm")
 FFI_DISPATCH_ENGINES = ("cpu", "local", "ce", "sm")
 # engines with symmetric device windows (created per dispatch geometry, see Runtime.dispatch_window)
 WINDOW_ENGINES = ("ce", "sm")
-# what engine 'xla' needs in XLA_FLAGS on GPUs of several processes
-XLA_RAGGED_NCCL_FLAG = "--xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback"
 _runtime_serial = itertools.count(1)  # the same in every process: Runtimes are made in one order
 
 
@@ -79,14 +76,13 @@ class Runtime:
     if engine == "cpu" and self.multi_process:
       raise ValueError("Runtime: engine 'cpu' moves rows between the devices of one process; this "
                        "mesh spans several processes (jax.distributed): use engine 'xla'")
-    if (engine == "xla" and self.multi_process and self.platform != "cpu"
-        and XLA_RAGGED_NCCL_FLAG not in os.environ.get("XLA_FLAGS", "")):
-      # XLA refuses ragged_all_to_all across processes over NCCL unless told (a run-time error
-      # deep in the first call otherwise); the flag must be set before jax starts its backends
-      raise ValueError(f"Runtime: engine 'xla' across processes on {self.platform!r} needs "
-                       f"XLA_FLAGS={XLA_RAGGED_NCCL_FLAG}=true in the environment before jax "
-                       "starts (XLA's ragged_all_to_all falls back to NCCL there), or engine "
-                       "'ce' / 'sm'")
+    if engine == "xla" and self.multi_process and self.platform != "cpu":
+      # ragged_all_to_all across processes is XLA's NCCL send/recv fallback (refused unless
+      # --xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback); with it, on jax 0.11.2 and
+      # 2xH200, the rows from the other process read as zeros at the dsv3 shape (docs/PERF.md)
+      raise ValueError("Runtime: engine 'xla' is not supported across GPU processes (XLA's "
+                       "ragged_all_to_all falls back to NCCL there and lost rows when we tried "
+                       "it); use engine 'ce' or 'sm'")
     if engine == "local" and self.num_ranks != 1:
       raise ValueError(f"Runtime: engine 'local' needs a one-rank axis, {axis_name!r} has "
                        f"{self.num_ranks}")
