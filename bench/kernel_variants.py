@@ -1,11 +1,12 @@
 """The CUDA kernel variants side by side on one GPU (R = 1), for choosing defaults:
-  python3 bench/kernel_variants.py [--shapes dsv3] [--tokens 128,4096] [--gemm1 v2,wgmma]
+  python3 bench/kernel_variants.py [--shapes dsv3] [--tokens 128,4096] [--gemm1 ws,wgmma]
 
 Each gemm1 variant (JSM_GEMM1, read per call by the handler) runs on the same landed rows; its h
 must match the first variant's within the §3 tolerance (every row, every column) before it is
 timed, and its worst relative error (Frobenius, §3 bound 4e-3) over a sample of experts against
-reference.expert_h32 is printed. The route variants (JSM_ROUTE) must produce identical counts and positions. Prints one
-table: median ms over --iters calls and useful TFLOP/s."""
+reference.expert_h32 is printed. The timing ablations 'ws-no*' leave a part of the kernel out
+(wrong results, only timed). The route variants (JSM_ROUTE) must produce identical counts and
+positions. Prints one table: median ms over --iters calls and useful TFLOP/s."""
 import argparse
 import os
 import sys
@@ -29,7 +30,9 @@ def main():
   p = argparse.ArgumentParser()
   p.add_argument("--shapes", default="dsv3")
   p.add_argument("--tokens", default="128,4096,8192")
-  p.add_argument("--gemm1", default="v2,wgmma,ws")
+  p.add_argument("--gemm1", default="ws,wgmma,ws-nopromote,ws-nomma,ws-noload",
+                 help="JSM_GEMM1 values; the first is the reference for the others' values; "
+                      "'ws-no*' are timing ablations (a part left out: wrong results, not checked)")
   p.add_argument("--route", default="warp,blocks")
   p.add_argument("--iters", type=int, default=10)
   a = p.parse_args()
@@ -85,6 +88,10 @@ def main():
       for v in a.gemm1.split(","):
         os.environ["JSM_GEMM1"] = v
         h = np.asarray(jax.device_get(gemm1(*args)), np.float32)
+        if "-no" in v:  # an ablation: only its time means something
+          ms = median_ms(gemm1, args, a.iters)
+          emit((name, T, f"gemm1 {v}", ms, f"{flops / ms / 1e9:.0f}", "ablation"))
+          continue
         if base is None:
           base = h
         else:

@@ -243,29 +243,34 @@ std::string dispatch_ce(cudaStream_t st, cudaStream_t side, const WindowSet& w, 
   JSM_CUDA_TRY("dispatch ce plan read", cudaStreamSynchronize(st));
   const int32_t* plan = me.h_plan;  // plan[(s * R + d) * EL + e]
   const int32_t* mine = plan + rank * R * EL;
-  // 3. segments, destinations after this rank first, each chunk of experts then its signals
+  // 3. segments in chunks of experts, each chunk to every destination (peers first) then its
+  // signals: every rank's fused GEMM can start on its first experts while later ones move
   std::vector<int64_t> start(static_cast<size_t>(R * EL));
   int64_t run = 0;
   for (int64_t i = 0; i < R * EL; ++i) start[size_t(i)] = run, run += mine[i];
-  std::vector<int32_t> total(static_cast<size_t>(EL)), offsets(static_cast<size_t>(EL)),
-      counts(static_cast<size_t>(EL));
-  CopyBatch batch;
-  for (int64_t j = 1; j <= R; ++j) {
-    const int64_t d = (rank + j) % R;
+  std::vector<int32_t> total(static_cast<size_t>(EL)), offsets(static_cast<size_t>(R * EL)),
+      counts(static_cast<size_t>(R * EL));
+  for (int64_t d = 0; d < R; ++d) {  // the landing layout of every destination
     for (int64_t e = 0; e < EL; ++e) {
       total[size_t(e)] = 0;
       for (int64_t s = 0; s < R; ++s) total[size_t(e)] += plan[(s * R + d) * EL + e];
     }
-    landing_layout(total.data(), EL, a.row_align, w.g.m_cap, offsets.data(), counts.data());
-    uint8_t* dst = me.peers.base[d];
-    for (int64_t e0 = 0; e0 < EL; e0 += kFlagChunk) {
+    landing_layout(total.data(), EL, a.row_align, w.g.m_cap, offsets.data() + d * EL,
+                   counts.data() + d * EL);
+  }
+  CopyBatch batch;
+  for (int64_t e0 = 0; e0 < EL; e0 += kFlagChunk) {
+    for (int64_t j = 1; j <= R; ++j) {
+      const int64_t d = (rank + j) % R;
+      uint8_t* dst = me.peers.base[d];
       flags.clear();
       for (int64_t e = e0; e < std::min<int64_t>(EL, e0 + kFlagChunk); ++e) {
-        int64_t base = offsets[size_t(e)];
+        const int64_t de = d * EL + e;
+        int64_t base = offsets[size_t(de)];
         for (int64_t s = 0; s < rank; ++s) base += plan[(s * R + d) * EL + e];
-        const int64_t room = int64_t(offsets[size_t(e)]) + counts[size_t(e)] - base;
-        const int64_t keep = std::max<int64_t>(0, std::min<int64_t>(mine[d * EL + e], room));
-        const int64_t from = start[size_t(d * EL + e)];
+        const int64_t room = int64_t(offsets[size_t(de)]) + counts[size_t(de)] - base;
+        const int64_t keep = std::max<int64_t>(0, std::min<int64_t>(mine[de], room));
+        const int64_t from = start[size_t(de)];
         batch.add(at<uint8_t>(dst, L.values[p]) + base * H, a.values + from * H, size_t(keep * H));
         batch.add(at<uint8_t>(dst, L.scales[p]) + base * HS, a.scales + from * HS,
                   size_t(keep * HS));
@@ -497,7 +502,9 @@ std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendVi
     err = gemm(slot, st, gemm_ctx);
     if (!err.empty()) return err;
   }
-  cuda::ep_rows_kernel<<<cuda::grid_for(w->g.m_cap, 8), 256, int(2 * EL) * 4, st>>>(
+  // a few blocks per SM (grid-stride): each block first waits for every signal
+  const int rows_grid = std::min(cuda::grid_for(w->g.m_cap, 8), 4 * cuda::num_sms());
+  cuda::ep_rows_kernel<<<rows_grid, 256, int(2 * EL) * 4, st>>>(
       a, out, absent, gemm == nullptr);
   JSM_CUDA_TRY("dispatch rows", cudaGetLastError());
   if (!absent) {  // XLA may reuse the send buffer once the call is done on its stream

@@ -270,8 +270,9 @@ ffi::Error launch_gemm1(jsm::cuda::Gemm1Args g, int grid, cudaStream_t stream) {
   const char* gemm_env = getenv("JSM_GEMM1");  // read per call: benchmarks switch it in-process
   const std::string gemm_choice = gemm_env ? gemm_env : "";
   // JSM_GEMM1 picks a kernel for comparisons (bench/kernel_variants.py): ws (the default where
-  // H % 128 == 0: measured fastest, docs/PERF.md), wgmma, or v2 (mma.sync, any H % 32 == 0)
-  if ((gemm_choice.empty() || gemm_choice == "ws") && g.H % 128 == 0) {
+  // H % 128 == 0: measured fastest, docs/PERF.md; ws-nopromote, ws-nomma, ws-noload: its timing
+  // ablations, wrong results), wgmma, or v2 (mma.sync, any H % 32 == 0)
+  if ((gemm_choice.empty() || gemm_choice.rfind("ws", 0) == 0) && g.H % 128 == 0) {
     namespace ws = jsm::cuda::gemm1_ws;
     CUtensorMap map_a0, map_a1, map_b;
     JSM_RETURN_IF_ERROR(tensor_map(&map_a0, g.epoch_counter ? g.slot_values[0] : g.a, g.H,
@@ -281,9 +282,12 @@ ffi::Error launch_gemm1(jsm::cuda::Gemm1Args g, int grid, cudaStream_t stream) {
     JSM_RETURN_IF_ERROR(
         tensor_map(&map_b, g.w, g.H, int64_t(g.EL) * 2 * g.I, jsm::cuda::gemm1_v1::BN));
     g.scales_aligned = scales_aligned(g, jsm::cuda::gemm1_v3::KB);
-    cudaFuncSetAttribute(ws::gemm1_ws_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         ws::kSmemBytes);
-    ws::gemm1_ws_kernel<<<grid, ws::THREADS, ws::kSmemBytes, stream>>>(g, map_a0, map_a1, map_b);
+    auto kernel = gemm_choice == "ws-nopromote" ? ws::gemm1_ws_kernel<ws::kNoPromote>
+                  : gemm_choice == "ws-nomma"   ? ws::gemm1_ws_kernel<ws::kNoMma>
+                  : gemm_choice == "ws-noload"  ? ws::gemm1_ws_kernel<ws::kNoLoad>
+                                                : ws::gemm1_ws_kernel<ws::kFull>;
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ws::kSmemBytes);
+    kernel<<<grid, ws::THREADS, ws::kSmemBytes, stream>>>(g, map_a0, map_a1, map_b);
   } else if (gemm_choice.rfind("wgmma", 0) == 0) {
     // JSM_GEMM1=wgmma (or wgmma5: 5 stages): one warpgroup role, CTA-wide barriers per stage
     g.scales_aligned = scales_aligned(g, v3::KB);

@@ -56,13 +56,27 @@ __global__ void ep_headers_kernel(const int32_t* token, const int32_t* slot, con
     out[i] = RowHeader{rank, token[i], slot[i], weight[i]};
 }
 
-// Block-cooperative copy of n bytes at the widest width both ends' alignment allows.
-__device__ __forceinline__ void block_copy(uint8_t* dst, const uint8_t* src, int64_t n) {
+// Block-cooperative copy of n bytes at the widest width both ends' alignment allows. The 16-byte
+// path keeps kCopyUnroll loads in flight per thread before their stores (a load after a store to
+// memory that may alias would otherwise wait for it: one load in flight per thread).
+constexpr int kCopyUnroll = 4;
+__device__ __forceinline__ void block_copy(uint8_t* __restrict__ dst,
+                                           const uint8_t* __restrict__ src, int64_t n) {
   const uintptr_t mis = (reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
                          uintptr_t(n));
   if ((mis & 15) == 0) {
-    for (int64_t i = threadIdx.x; i < n / 16; i += blockDim.x)
-      reinterpret_cast<uint4*>(dst)[i] = __ldcg(reinterpret_cast<const uint4*>(src) + i);
+    uint4* __restrict__ d = reinterpret_cast<uint4*>(dst);
+    const uint4* __restrict__ s = reinterpret_cast<const uint4*>(src);
+    const int64_t n16 = n / 16, step = int64_t(blockDim.x) * kCopyUnroll;
+    int64_t i = threadIdx.x;
+    for (; i + (kCopyUnroll - 1) * int64_t(blockDim.x) < n16; i += step) {
+      uint4 v[kCopyUnroll];
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) v[u] = __ldcg(s + i + u * int64_t(blockDim.x));
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) d[i + u * int64_t(blockDim.x)] = v[u];
+    }
+    for (; i < n16; i += blockDim.x) d[i] = __ldcg(s + i);
   } else if ((mis & 3) == 0) {
     for (int64_t i = threadIdx.x; i < n / 4; i += blockDim.x)
       reinterpret_cast<uint32_t*>(dst)[i] = __ldcg(reinterpret_cast<const unsigned int*>(src) + i);
@@ -131,8 +145,9 @@ __device__ void build_segments(const EpArgs& a, int p, SegmentTable t) {
 }
 
 // Engine `sm`: block 0 first puts the plan; every block then waits for all plans and stores
-// segments q = blockIdx.x, + gridDim.x, ... (peers first, this rank last), raising each segment's
-// signal at its destination once its rows are stored.
+// segments q = blockIdx.x, + gridDim.x, ... in expert order (expert q / R to every destination,
+// peers first), raising each segment's signal at its destination once its rows are stored: every
+// rank's fused GEMM can start on its first experts while the later ones are still moving.
 __global__ void __launch_bounds__(512) ep_sm_kernel(const EpArgs a) {
   extern __shared__ int32_t smem[];
   const int R = int(a.g.R), EL = int(a.g.EL);
@@ -153,7 +168,7 @@ __global__ void __launch_bounds__(512) ep_sm_kernel(const EpArgs a) {
   SegmentTable t{smem, smem + R * EL, smem + 2 * R * EL, smem + 3 * R * EL + 1};
   build_segments(a, p, t);
   for (int q = blockIdx.x; q < R * EL; q += gridDim.x) {
-    const int d = (a.rank + 1 + q / EL) % R, e = q % EL, i = d * EL + e;
+    const int e = q / R, d = (a.rank + 1 + q % R) % R, i = d * EL + e;
     const int64_t keep = t.keep[i], base = t.base[i], from = t.start[i];
     uint8_t* dst = a.peers.base[d];
     block_copy(at<uint8_t>(dst, a.L.values[p]) + base * H, a.values + from * H, keep * H);
@@ -224,7 +239,9 @@ __global__ void ep_rows_kernel(const EpArgs a, LandedView out, bool absent, bool
     for (;;) {
       bool ok = !failed;
       int missing = -1;
-      for (int i = threadIdx.x; i < R * EL && !failed; i += blockDim.x)
+      // warp 0 polls: every resident block polling with all its threads floods L2 with
+      // system-scope loads while the rows it waits for are still being stored
+      for (int i = threadIdx.x; i < R * EL && !failed && threadIdx.x < kWarp; i += kWarp)
         if (!epoch_reached(ld_acquire_sys(flags + i), epoch)) ok = false, missing = i;
       if (__syncthreads_and(ok) || failed) break;
       if (__syncthreads_or(threadIdx.x == 0 && globaltimer_ns() > deadline)) {

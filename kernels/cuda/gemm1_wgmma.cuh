@@ -143,6 +143,8 @@ __device__ __forceinline__ void promote(float* acc, const float* d, const Scales
 
 // One stage (KB = 4 MX blocks) of a warpgroup's 64 rows: four wgmma, each block promoted while the
 // next one computes; every wgmma of the stage has completed on return. a: the warpgroup's rows.
+// kPromote = false leaves the promotion out (a timing ablation: wrong results).
+template <bool kPromote = true>
 __device__ __forceinline__ void mma_stage(float* acc, float* da, float* db, const uint8_t* a,
                                           const uint8_t* b, const Scales& fs, int row0, int tig,
                                           bool warp_active) {
@@ -154,19 +156,19 @@ __device__ __forceinline__ void mma_stage(float* acc, float* da, float* db, cons
   wgmma_m64n128k32(db, smem_desc(a + 32), smem_desc(b + 32));
   wgmma_commit();
   wgmma_wait<1>();
-  if (warp_active) promote<0>(acc, da, fs, sa0.x, sa1.x, tig);
+  if (kPromote && warp_active) promote<0>(acc, da, fs, sa0.x, sa1.x, tig);
   wgmma_fence();
   wgmma_m64n128k32(da, smem_desc(a + 64), smem_desc(b + 64));
   wgmma_commit();
   wgmma_wait<1>();
-  if (warp_active) promote<1>(acc, db, fs, sa0.y, sa1.y, tig);
+  if (kPromote && warp_active) promote<1>(acc, db, fs, sa0.y, sa1.y, tig);
   wgmma_fence();
   wgmma_m64n128k32(db, smem_desc(a + 96), smem_desc(b + 96));
   wgmma_commit();
   wgmma_wait<1>();
-  if (warp_active) promote<2>(acc, da, fs, sa0.z, sa1.z, tig);
+  if (kPromote && warp_active) promote<2>(acc, da, fs, sa0.z, sa1.z, tig);
   wgmma_wait<0>();
-  if (warp_active) promote<3>(acc, db, fs, sa0.w, sa1.w, tig);
+  if (kPromote && warp_active) promote<3>(acc, db, fs, sa0.w, sa1.w, tig);
 }
 
 // SwiGLU and the stores of a warpgroup's rows row0 (+8); output columns n0 + j * 8 + tig * 2 + c

@@ -80,9 +80,19 @@ __device__ __forceinline__ void consumer_barrier(int cw) {  // one consumer warp
   asm volatile("bar.sync %0, 128;" ::"r"(2 + cw) : "memory");
 }
 
+// Timing ablations (JSM_GEMM1=ws-nopromote|ws-nomma|ws-noload; wrong results, never checked):
+// what each part of the pipeline costs, by leaving it out (bench/kernel_variants.py).
+enum Ablation : int {
+  kFull = 0,
+  kNoPromote = 1,  // wgmma without the float32 promotion
+  kNoMma = 2,      // the loads and the ring only
+  kNoLoad = 3,     // A and B loaded by the first pass over the ring only, then reused
+};
+
 // map_a: landed rows [m_cap, H] bytes, box kABoxRows rows x 128 B (fused: one map per slot
 // parity, else map_a1 is unused); map_b: w1 [EL * 2I, H], box 64 rows. A rows of the tile past
 // its valid ones (rounded up to a box) keep stale data: they are never stored.
+template <int kAblation = kFull>
 __global__ void __launch_bounds__(THREADS, 1)
     gemm1_ws_kernel(const Gemm1Args g_in, const __grid_constant__ CUtensorMap map_a0,
                     const __grid_constant__ CUtensorMap map_a1,
@@ -123,7 +133,9 @@ __global__ void __launch_bounds__(THREADS, 1)
       for (int ks = 0; ks < num_k; ++ks, ++issued) {
         const int b = int(issued % STAGES);
         mbar_wait(&sh.empty[b], ((issued / STAGES) & 1) ^ 1);
-        if (tid == 0) {
+        if (kAblation == kNoLoad && issued >= STAGES) {
+          if (tid == 0) mbar_arrive_expect_tx(&sh.full[b], 0);
+        } else if (tid == 0) {
           const int a_boxes = (t.rows + kABoxRows - 1) / kABoxRows;
           mbar_arrive_expect_tx(&sh.full[b], uint32_t(a_boxes * kABoxRows + BNW) * KBYTES);
           for (int i = 0; i < a_boxes; ++i)
@@ -162,8 +174,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     for (int ks = 0; ks < num_k; ++ks, ++consumed) {
       const int b = int(consumed % STAGES);
       mbar_wait(&sh.full[b], (consumed / STAGES) & 1);
-      if (wg_active)
-        gemm1_v3::mma_stage(acc, da, db, sh.tiles[b].a + cw * 64 * KBYTES, sh.tiles[b].b,
+      if (wg_active && kAblation != kNoMma)
+        gemm1_v3::mma_stage<kAblation != kNoPromote>(acc, da, db, sh.tiles[b].a + cw * 64 * KBYTES, sh.tiles[b].b,
                             sh.scales[b], row0, tig, warp_active);
       consumer_barrier(cw);  // every thread of the warpgroup is done with buffer b
       if (tid == 0) mbar_arrive(&sh.empty[b]);
