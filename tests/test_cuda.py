@@ -45,6 +45,23 @@ def cpu_ref(fn, *args, **kw):
     return fn(*on(CPU, args), **kw)
 
 
+_STAGE1 = {}
+
+
+def local_stage1(shape_name, out_dtype):
+  """(config, jitted stage1) of engine local on the GPU, one per shape and output dtype: the cases
+  of a shape and T compile once (one Runtime reused across tests, as users do)."""
+  if (shape_name, out_dtype) not in _STAGE1:
+    mesh = jax.sharding.Mesh(np.array([GPU]), ("ep",))
+    cfg = jsm.Stage1Config(engine="local", swiglu_limit=jsm.SHAPES[shape_name].swiglu_limit,
+                           out_dtype=out_dtype)
+    rt = jsm.Runtime(mesh, "ep", cfg)
+    f = jax.jit(jax.shard_map(lambda x, i, w, q: jsm.stage1(x, (i, w), q, runtime=rt),
+                              mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+    _STAGE1[shape_name, out_dtype] = (cfg, f)
+  return _STAGE1[shape_name, out_dtype]
+
+
 @absltest.skipIf(GPU is None, WHY or "")
 class CudaStagesTest(parameterized.TestCase):
 
@@ -107,13 +124,9 @@ class CudaGemm1Test(parameterized.TestCase):
     x = jnp.asarray(r.standard_normal((T, H)) * r.uniform(0.5, 2, (T, 1)), jnp.bfloat16)
     w = jnp.asarray(r.random((T, K)), jnp.float32)
     w1q = self.w1q(shape_name)
-    mesh = jax.sharding.Mesh(np.array([GPU]), ("ep",))
     # MX-fp8 output where there are rows to speak of (each output dtype is a compile)
     for out_dtype in ("bf16", "mxfp8") if T >= 128 else ("bf16",):
-      cfg = jsm.Stage1Config(engine="local", swiglu_limit=s.swiglu_limit, out_dtype=out_dtype)
-      rt = jsm.Runtime(mesh, "ep", cfg)
-      f = jax.jit(jax.shard_map(lambda x, i, w, q: jsm.stage1(x, (i, w), q, runtime=rt),
-                                mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+      cfg, f = local_stage1(shape_name, out_dtype)
       out = f(on(GPU, x), on(GPU, jnp.asarray(ids, jnp.int32)), on(GPU, w), w1q)
       cap = jsm.layout.m_cap(1, T, K, E, cfg.row_align)
       landed = jax.jit(reference.dispatch, static_argnums=(3, 4, 5))(
