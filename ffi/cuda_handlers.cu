@@ -109,7 +109,8 @@ ffi::Error launch_pack(cudaStream_t stream, const uint16_t* x, const uint8_t* xv
   cudaMemsetAsync(weight->typed_data(), 0, S * sizeof(float), stream);
   if (T > 0)
     jsm::cuda::pack_kernel<kQuantize>
-        <<<(T + 7) / 8, 256, lm.counts ? jsm::cuda::LandingMap::smem_bytes(lm.EL) : 0, stream>>>(
+        <<<(T + jsm::cuda::kPackWarps - 1) / jsm::cuda::kPackWarps, jsm::cuda::kPackThreads,
+           lm.counts ? jsm::cuda::LandingMap::smem_bytes(lm.EL) : 0, stream>>>(
             x, xv, xs, weights.typed_data(), send_pos.typed_data(), T, K, H, ptr<uint8_t>(values),
             ptr<uint8_t>(scales), token->typed_data(), slot->typed_data(), weight->typed_data(),
             lm);

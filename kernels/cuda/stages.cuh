@@ -183,7 +183,10 @@ struct LandingMap {
 
 // qpack / pack: one warp per token; lane j handles MX blocks j, j + 32, ...; each block is
 // quantised (qpack) or read (pack) once and stored to every send row of the token (or, with a
-// LandingMap, to every landing row).
+// LandingMap, to every landing row). The 32 blocks of a round (1 KB of fp8) go through shared
+// memory so each store instruction writes 512 contiguous bytes, 16 per lane: stored straight from
+// the lanes, each instruction would cover every other 16 bytes of the row (half of every line).
+constexpr int kPackThreads = 256, kPackWarps = kPackThreads / kWarp;
 template <bool kQuantize>
 __global__ void pack_kernel(const uint16_t* x, const uint8_t* x_values, const uint8_t* x_scales,
                             const float* weights, const int32_t* send_pos, int64_t T, int K,
@@ -222,24 +225,36 @@ __global__ void pack_kernel(const uint16_t* x, const uint8_t* x_values, const ui
     slot[pos[lane]] = lane;
     weight[pos[lane]] = weights[t * K + lane];
   }
-  for (int64_t b = lane; b < HS; b += kWarp) {
-    uint4 q[2];
-    uint8_t s;
-    if (kQuantize) {
-      float v[kBlock];
-      load_block<uint16_t>(x + t * H + b * kBlock, v);
-      quantize_to_words(v, q, &s);
-    } else {
-      const uint4* src = reinterpret_cast<const uint4*>(x_values + t * H + b * kBlock);
-      q[0] = src[0], q[1] = src[1];
-      s = x_scales[t * HS + b];
+  __shared__ uint4 round_bytes[kPackWarps][2 * kWarp];  // one warp's 32 blocks of fp8
+  uint4* mine = round_bytes[threadIdx.x / kWarp];
+  for (int64_t b0 = 0; b0 < HS; b0 += kWarp) {  // warp-uniform rounds of 32 MX blocks
+    const int64_t b = b0 + lane;
+    const bool active = b < HS;
+    uint8_t s = 0;
+    if (active) {
+      uint4 q[2];
+      if (kQuantize) {
+        float v[kBlock];
+        load_block<uint16_t>(x + t * H + b * kBlock, v);
+        quantize_to_words(v, q, &s);
+      } else {
+        const uint4* src = reinterpret_cast<const uint4*>(x_values + t * H + b * kBlock);
+        q[0] = src[0], q[1] = src[1];
+        s = x_scales[t * HS + b];
+      }
+      mine[2 * lane] = q[0], mine[2 * lane + 1] = q[1];
     }
+    __syncwarp();
+    const int64_t round = kBlock * (HS - b0 < kWarp ? HS - b0 : kWarp);  // bytes this round
+    const uint4 lo = mine[lane], hi = mine[kWarp + lane];  // bytes 16 lane, 512 + 16 lane
+    __syncwarp();  // the next round overwrites `mine`
 #pragma unroll
     for (int k = 0; k < 16; ++k) {
       if (pos[k] < 0) continue;
-      uint4* dst = reinterpret_cast<uint4*>(values + pos[k] * H + b * kBlock);
-      dst[0] = q[0], dst[1] = q[1];
-      scales[pos[k] * HS + b] = s;
+      uint4* dst = reinterpret_cast<uint4*>(values + pos[k] * H + b0 * kBlock);
+      if (16 * lane < round) dst[lane] = lo;
+      if (16 * (kWarp + lane) < round) dst[kWarp + lane] = hi;
+      if (active) scales[pos[k] * HS + b] = s;
     }
   }
 }
