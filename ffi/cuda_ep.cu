@@ -199,14 +199,13 @@ void free_rank(LocalRank& l) {
   l = LocalRank{};
 }
 
-// Engine ce, steps 1-3 of the protocol for rank `me`: the plan on XLA's stream `st` (the host waits
-// on it), the rows and their headers (made by dispatch() before the fork) on `side`.
-std::string dispatch_ce(cudaStream_t st, cudaStream_t side, const WindowSet& w, LocalRank& me,
-                        const cuda::EpArgs& a, uint32_t epoch, const DispatchOptions& opt) {
-  const int64_t R = w.g.R, EL = w.g.EL, H = w.g.H, HS = H / kBlock;
+// Engine ce, steps 1-2 of the protocol for rank `me`, on XLA's stream `st`: the plan to every
+// destination, then every source's plan read back to the host (me.h_plan; the host waits for it).
+std::string ce_plan(cudaStream_t st, const WindowSet& w, LocalRank& me, const cuda::EpArgs& a,
+                    uint32_t epoch, const DispatchOptions& opt) {
+  const int64_t R = w.g.R, EL = w.g.EL;
   const int p = int(epoch & 1), rank = me.rank;
   const EpWindowLayout& L = w.L;
-  const cuda::RowHeader* headers = at<cuda::RowHeader>(me.own, L.send_headers);  // dispatch()
   // 1. the plan to every destination, then its flag
   std::vector<uint32_t*> flags;
   for (int64_t d = 0; d < R; ++d) {
@@ -241,6 +240,20 @@ std::string dispatch_ce(cudaStream_t st, cudaStream_t side, const WindowSet& w, 
                cudaMemcpyAsync(me.h_plan, at<int32_t>(me.own, L.plan[p]),
                                size_t(R * R * EL) * 4, cudaMemcpyDeviceToHost, st));
   JSM_CUDA_TRY("dispatch ce plan read", cudaStreamSynchronize(st));
+  return "";
+}
+
+// Engine ce, step 3 on `side`: the rows and their headers (made by dispatch() before the fork),
+// from the plan ce_plan read. Enqueued after the fused GEMM's launch: the host's enqueueing of the
+// copies does not delay the GEMM, whose tiles wait for their experts' signals anyway.
+std::string ce_rows(cudaStream_t side, const WindowSet& w, LocalRank& me, const cuda::EpArgs& a,
+                    uint32_t epoch) {
+  const int64_t R = w.g.R, EL = w.g.EL, H = w.g.H, HS = H / kBlock;
+  const int p = int(epoch & 1), rank = me.rank;
+  const EpWindowLayout& L = w.L;
+  const cuda::RowHeader* headers = at<cuda::RowHeader>(me.own, L.send_headers);
+  std::vector<uint32_t*> flags;
+  std::string err;
   const int32_t* plan = me.h_plan;  // plan[(s * R + d) * EL + e]
   const int32_t* mine = plan + rank * R * EL;
   // 3. segments in chunks of experts, each chunk to every destination (peers first) then its
@@ -482,7 +495,7 @@ std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendVi
       cuda::ep_sm_kernel<<<sm_blocks, 512, smem, me->side>>>(a);
       JSM_CUDA_TRY("dispatch sm", cudaGetLastError());
     } else {
-      err = dispatch_ce(st, me->side, *w, *me, a, epoch, opt);
+      err = ce_plan(st, *w, *me, a, epoch, opt);
       if (!err.empty()) return err;
     }
   }
@@ -500,6 +513,10 @@ std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendVi
                   me->err_dev,
                   cuda::num_sms() - sm_blocks};
     err = gemm(slot, st, gemm_ctx);
+    if (!err.empty()) return err;
+  }
+  if (w->engine == kCopyEngine && !absent) {
+    err = ce_rows(me->side, *w, *me, a, me->epoch);
     if (!err.empty()) return err;
   }
   // a few blocks per SM (grid-stride): each block first waits for every signal
