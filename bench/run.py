@@ -424,6 +424,7 @@ class BenchPath:
   check: Callable[..., int]    # check(out, ref: Reference): raises CheckError; returns rows dropped
   capacity: Optional[int] = None  # rows per (source, expert) of a capacity-based path
   baseline: Optional[str] = None  # a JAX-native path: its NATIVE_BASELINES name
+  runtime: Any = None             # an engine path's jsm.Runtime
 
 
 class CheckError(AssertionError):
@@ -458,7 +459,7 @@ def engine_path(mesh, rt: jsm.Runtime, shape: jsm.MoEShape, cap: int, inputs, w1
   H = shape.hidden
   return BenchPath(f"engine:{rt.engine}", "engine", per_rank_jit(mesh, stage1),
                    [per_rank_jit(mesh, f) for f in (route_qpack, dispatch, gemm1)], inputs, w1q,
-                   H + H // layout.BLOCK + 12, compute_dtype, check_engine)
+                   H + H // layout.BLOCK + 12, compute_dtype, check_engine, runtime=rt)
 
 
 class NativeOut(NamedTuple):
@@ -901,6 +902,10 @@ def time_path(c: Checked, iters: int, warmup: int) -> dict:
                     "first_call_s": slowest(c.first_call_s)}, "stages": {}}
   for name, stage, inp in zip(STAGES, path.stages, c.stage_inputs):
     row["stages"][name] = time_calls(stage, (inp, path.w), iters, warmup)
+  host = path.runtime.ce_host_stats() if path.runtime is not None else {}
+  if host:  # engine ce: the host's share of its calls (every call of this path so far)
+    row["ce_host_us"] = {k: max(v[k] / max(v["calls"], 1) for v in host.values())
+                         for k in ("plan_us", "enqueue_us")}
   return row
 
 
@@ -1214,6 +1219,13 @@ def format_single_device_table(rows: Sequence[dict], ceilings: dict, skipped: se
           if "peer_copy_gbps" in ceilings else "")
   lines.append(f"ceilings: copy {ceilings['copy_gbps']:.0f} GB/s{peer}, dense bf16 "
                f"{ceilings['matmul_gflops']['bf16'] / 1e3:.3g} TFLOP/s ({ceilings['how']})")
+  for r in rows:
+    if "ce_host_us" in r:
+      h = r["ce_host_us"]
+      lines.append(f"{r['shape']} T={r['tokens']} {r['path']}: host per call (mean over the "
+                   f"path's calls, max over ranks): plan synchronisation {h['plan_us']:.0f} µs "
+                   f"(includes waiting for route+qpack and the slowest peer), copy enqueue "
+                   f"{h['enqueue_us']:.0f} µs")
   lines += [f"- {n}" for n in SINGLE_DEVICE_NOTES]
   return "\n".join(lines)
 

@@ -14,6 +14,7 @@
 #include <cuda.h>  // CUstreamBatchMemOpParams (the function itself comes from the runtime)
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -37,8 +38,13 @@ using cuda::at;
 constexpr int kFlagChunk = 16;  // experts per batch of copies before their signals (ce)
 constexpr int64_t kMaxSegments = 4096;  // R * EL: the sm kernel keeps its segment table in smem
 
+struct CeStats {  // written by the rank's calls, read by host_stats() from another thread
+  std::atomic<uint64_t> calls{0}, plan_ns{0}, enqueue_ns{0};
+};
+
 struct LocalRank {
   int rank = -1, device = -1;
+  std::shared_ptr<CeStats> stats = std::make_shared<CeStats>();
   uint8_t* own = nullptr;
   cuda::PeerTable peers{};
   std::vector<void*> opened;  // IPC-opened peer windows
@@ -63,6 +69,12 @@ struct WindowSet {
 std::mutex g_mu;
 std::map<int64_t, std::shared_ptr<WindowSet>> g_sets;
 int64_t g_next_id = 1;
+
+uint64_t elapsed_ns(std::chrono::steady_clock::time_point since) {
+  return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                      std::chrono::steady_clock::now() - since)
+                      .count());
+}
 
 std::string cuda_error(const std::string& what, cudaError_t e) {
   return "jax_sdma_moe (" + what + "): " + cudaGetErrorString(e);
@@ -206,6 +218,7 @@ std::string ce_plan(cudaStream_t st, const WindowSet& w, LocalRank& me, const cu
   const int64_t R = w.g.R, EL = w.g.EL;
   const int p = int(epoch & 1), rank = me.rank;
   const EpWindowLayout& L = w.L;
+  const auto started = std::chrono::steady_clock::now();
   // 1. the plan to every destination, then its flag
   std::vector<uint32_t*> flags;
   for (int64_t d = 0; d < R; ++d) {
@@ -240,6 +253,8 @@ std::string ce_plan(cudaStream_t st, const WindowSet& w, LocalRank& me, const cu
                cudaMemcpyAsync(me.h_plan, at<int32_t>(me.own, L.plan[p]),
                                size_t(R * R * EL) * 4, cudaMemcpyDeviceToHost, st));
   JSM_CUDA_TRY("dispatch ce plan read", cudaStreamSynchronize(st));
+  me.stats->calls += 1;
+  me.stats->plan_ns += elapsed_ns(started);
   return "";
 }
 
@@ -252,6 +267,7 @@ std::string ce_rows(cudaStream_t side, const WindowSet& w, LocalRank& me, const 
   const int p = int(epoch & 1), rank = me.rank;
   const EpWindowLayout& L = w.L;
   const cuda::RowHeader* headers = at<cuda::RowHeader>(me.own, L.send_headers);
+  const auto started = std::chrono::steady_clock::now();
   std::vector<uint32_t*> flags;
   std::string err;
   const int32_t* plan = me.h_plan;  // plan[(s * R + d) * EL + e]
@@ -296,6 +312,7 @@ std::string ce_rows(cudaStream_t side, const WindowSet& w, LocalRank& me, const 
       if (!err.empty()) return err;
     }
   }
+  me.stats->enqueue_ns += elapsed_ns(started);
   return "";
 }
 
@@ -433,6 +450,16 @@ std::string error_message(int64_t id) {
     if (!m.empty()) return m;
   }
   return "";
+}
+
+std::vector<HostStats> host_stats(int64_t id) {
+  std::vector<HostStats> out;
+  auto w = find_set(id);
+  if (!w) return out;
+  for (auto& l : w->local)
+    out.push_back(HostStats{l.rank, l.stats->calls.load(), l.stats->plan_ns.load() * 1e-3,
+                            l.stats->enqueue_ns.load() * 1e-3});
+  return out;
 }
 
 std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendView& send,

@@ -28,6 +28,16 @@ void windows_destroy(int64_t id);
 // "" or the error a bounded wait of a kernel recorded (first local rank that has one).
 std::string error_message(int64_t id);
 
+// Host time spent inside the ce engine's calls, per local rank: the plan's host synchronisation
+// (from the call's start until every source's plan is on the host: it includes waiting for this
+// rank's route and qpack and for the slowest peer) and the enqueueing of the row copies.
+struct HostStats {
+  int64_t rank;
+  uint64_t calls;
+  double plan_us, enqueue_us;  // totals over the calls
+};
+std::vector<HostStats> host_stats(int64_t id);
+
 // The landing slots as the fused GEMM reads them: the call's epoch is *epoch_counter (device
 // memory, written by the call's first kernel); rows of expert e in the slot of parity
 // p = epoch & 1 may be read once arrival[p][e * R + s] has reached the epoch for every source s.

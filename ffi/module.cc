@@ -74,6 +74,12 @@ PYBIND11_MODULE(_jsm_ffi, m) {
   });
   m.def("ep_windows_destroy", &jsm::ep::windows_destroy);
   m.def("ep_error", &jsm::ep::error_message);
+  m.def("ep_host_stats", [](int64_t id) {
+    py::list out;
+    for (const auto& h : jsm::ep::host_stats(id))
+      out.append(py::make_tuple(h.rank, h.calls, h.plan_us, h.enqueue_us));
+    return out;
+  });
   m.attr("EP_ENGINES") = py::dict(py::arg("ce") = int(jsm::ep::kCopyEngine),
                                   py::arg("sm") = int(jsm::ep::kSmEngine));
 #endif

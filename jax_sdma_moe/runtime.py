@@ -175,6 +175,22 @@ class Runtime:
       if msg:
         raise TimeoutError(msg)
 
+  def ce_host_stats(self) -> dict:
+    """Engine ce: {rank: {"calls", "plan_us", "enqueue_us"}} over this process's ranks and every
+    call so far (totals): the host time of the plan's synchronisation (from the call's start until
+    every source's plan is on the host) and of enqueueing the row copies. {} for other engines."""
+    if self.engine != "ce":
+      return {}
+    ext = primitives._extension()
+    out = {}
+    for wid in list(self._windows.values()):
+      for rank, calls, plan_us, enqueue_us in ext.ep_host_stats(wid):
+        acc = out.setdefault(rank, {"calls": 0, "plan_us": 0.0, "enqueue_us": 0.0})
+        acc["calls"] += calls
+        acc["plan_us"] += plan_us
+        acc["enqueue_us"] += enqueue_us
+    return out
+
   def shard_w1(self, w1q):
     """Places QuantizedW1 [E, 2I, H] on the mesh, E/R experts per rank along the axis."""
     from jax.sharding import NamedSharding, PartitionSpec

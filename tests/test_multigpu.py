@@ -180,6 +180,13 @@ class MultiGpuStage1Test(parameterized.TestCase):
         ref, h32 = ref_fn(x, ids, w)
         _util.check_stage1(self, out, ref, h32, "bf16")
       rt.check()
+      if engine == "ce":  # the host's share of each call is counted for every rank
+        stats = rt.ce_host_stats()
+        self.assertEqual(sorted(stats), list(range(R)))
+        for rank, st in stats.items():
+          self.assertEqual(st["calls"], 200, f"rank {rank}")
+          self.assertGreater(st["plan_us"], 0)
+          self.assertGreater(st["enqueue_us"], 0)
 
   @parameterized.parameters("ce", "sm")
   def test_delayed_rank(self, engine):
