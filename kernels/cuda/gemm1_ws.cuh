@@ -40,7 +40,8 @@ struct Shared {
   uint64_t full[STAGES], empty[STAGES];
 };
 constexpr int kSmemBytes = int(sizeof(Shared)) + 1024;
-static_assert(LAG < STAGES, "the producer converts a stage before it needs that buffer again");
+static_assert(LAG < STAGES && 4 < STAGES,
+              "the producer converts a stage before it needs that buffer again");
 
 __device__ __forceinline__ void mbar_init(uint64_t* b, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(b)), "r"(count));
@@ -80,19 +81,22 @@ __device__ __forceinline__ void consumer_barrier(int cw) {  // one consumer warp
   asm volatile("bar.sync %0, 128;" ::"r"(2 + cw) : "memory");
 }
 
-// Timing ablations (JSM_GEMM1=ws-nopromote|ws-nomma|ws-noload; wrong results, never checked):
+// Timing ablations (JSM_GEMM1=ws-nopromote|-nomma|-noload|-noscale; wrong results, never checked):
 // what each part of the pipeline costs, by leaving it out (bench/kernel_variants.py).
 enum Ablation : int {
   kFull = 0,
   kNoPromote = 1,  // wgmma without the float32 promotion
   kNoMma = 2,      // the loads and the ring only
-  kNoLoad = 3,     // A and B loaded by the first pass over the ring only, then reused
+  kNoLoad = 3,     // A and B loaded by the first pass over the ring only, then reused; no scales
+  kNoScale = 4,    // A and B by TMA as always, the scale bytes not loaded (constant)
 };
 
 // map_a: landed rows [m_cap, H] bytes, box kABoxRows rows x 128 B (fused: one map per slot
 // parity, else map_a1 is unused); map_b: w1 [EL * 2I, H], box 64 rows. A rows of the tile past
 // its valid ones (rounded up to a box) keep stale data: they are never stored.
-template <int kAblation = kFull>
+// kLag: stages between a stage's scale copy and its conversion (the producer waits for that copy
+// then; JSM_GEMM1=ws-lag4 tries 4: more copies in flight, a later `full`).
+template <int kAblation = kFull, int kLag = LAG>
 __global__ void __launch_bounds__(THREADS, 1)
     gemm1_ws_kernel(const Gemm1Args g_in, const __grid_constant__ CUtensorMap map_a0,
                     const __grid_constant__ CUtensorMap map_a1,
@@ -145,17 +149,21 @@ __global__ void __launch_bounds__(THREADS, 1)
           tma_load_2d(sh.tiles[b].b + BN * KBYTES, &map_b, &sh.full[b], ks * KBYTES,
                       b_row + int(g.I));
         }
-        gemm1_v3::issue_scale_row(g, t, ks, tid, &sh.scale_bytes[b][tid]);
-        gemm1_v3::issue_scale_row(g, t, ks, BM + tid, &sh.scale_bytes[b][BM + tid]);
+        if (kAblation == kNoLoad || kAblation == kNoScale) {
+          sh.scale_bytes[b][tid] = sh.scale_bytes[b][BM + tid] = 0x7F7F7F7Fu;  // scales 1.0
+        } else {
+          gemm1_v3::issue_scale_row(g, t, ks, tid, &sh.scale_bytes[b][tid]);
+          gemm1_v3::issue_scale_row(g, t, ks, BM + tid, &sh.scale_bytes[b][BM + tid]);
+        }
         cp_async_commit();
-        if (issued >= LAG) {
-          cp_async_wait<LAG>();
-          finish(issued - LAG);
+        if (issued >= kLag) {
+          cp_async_wait<kLag>();
+          finish(issued - kLag);
         }
       }
     }
     cp_async_wait<0>();
-    for (uint32_t i = issued >= LAG ? issued - LAG : 0; i < issued; ++i) finish(i);
+    for (uint32_t i = issued >= kLag ? issued - kLag : 0; i < issued; ++i) finish(i);
     return;
   }
 
