@@ -6,7 +6,7 @@
 # bench takes JSM_BENCH_SHAPES (default "dsv3 v4pro"), JSM_BENCH_TOKENS (comma list) and
 # JSM_BENCH_ARGS (more bench/run.py flags, e.g. "--skip-native ragged").
 source "$(dirname "$0")/device_build.sh"
-grep -A3 "gemm1_kernel" "$OUT/build.log" | grep -E "registers|spill" | head -4
+grep -A3 "gemm1_ws_kernel" "$OUT/build.log" | grep -E "registers|spill" | head -4
 cd /tmp
 for step in "${@:-all}"; do
   if [[ $step == tests || $step == all ]]; then
@@ -17,13 +17,10 @@ for step in "${@:-all}"; do
     pkill -9 -f "tests/(mp_gpu_worker|graph_worker|mp_worker)\.py" || true  # a timeout's orphans
     grep -E "FAILED|ERROR|Error:|assert" "$OUT/tests.log" | head -10; tail -12 "$OUT/tests.log"
     echo "-- engine local with qpack storing rows at their landing rows (JSM_LOCAL_FUSED=1)"
-    JSM_LOCAL_FUSED=1 timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
-      "$REPO/tests/test_cuda.py" -k "T128 or T7 or skewed or xla_engine" --tb=short 2>&1 | grep -E "Error|passed|failed" | tail -4
-    for v in wgmma ws; do
-      echo "-- gemm1 $v (JSM_GEMM1=$v, opt-in until this passes)"
-      JSM_GEMM1=$v timeout 300 python3 -m pytest -q -x -p no:cacheprovider "$REPO/tests/test_cuda.py" \
-        -k "T128 or T7 or skewed or equals or limit" --tb=short 2>&1 | grep -E "Error|passed|failed" | tail -6
-    done
+    JSM_LOCAL_FUSED=1 timeout ${JSM_SUBSET_TIMEOUT:-120} python3 -m pytest -q -x \
+      -p no:cacheprovider "$REPO/tests/test_cuda.py" -k "T128 or T7 or skewed or xla_engine" \
+      --tb=short > "$OUT/tests-local-fused.log" 2>&1
+    grep -E "Error|passed|failed" "$OUT/tests-local-fused.log" | tail -4
   fi
   if [[ $step == variants ]]; then  # the gemm1 and route variants side by side (quick)
     timeout ${JSM_VARIANTS_TIMEOUT:-300} python3 "$REPO/bench/kernel_variants.py" \
