@@ -2,14 +2,19 @@
 # On a lent 2-GPU machine (nvidia-h200-x2), from the repository root: build with the machine's jax,
 # run the multi-GPU tests (one process with both GPUs, and two processes with one each), then the
 # R = 2 benchmark (engines ce, sm, xla and the JAX-native paths; table in bench.log, JSON and PNG
-# in $OUT). Usage: bash bench/device_multigpu.sh [tests|bench|mpibench|all] ... (default: all;
-# mpibench: the benchmark under mpirun -n 2, one GPU per process).
+# in $OUT). Usage: bash bench/device_multigpu.sh [tests|bench|mpibench|copies|all] ... (default:
+# all; mpibench: the benchmark under mpirun -n 2, one GPU per process; copies:
+# bench/peer_copy_pattern.cu, the row bytes cut as the engines cut them, without JAX).
 # JSM_TEST_FILTER selects tests (-k); JSM_BENCH_SHAPES, JSM_BENCH_TOKENS, JSM_BENCH_ARGS as in
 # device_cuda.sh.
 source "$(dirname "$0")/device_build.sh"
 nvidia-smi topo -m 2>/dev/null | head -4
 cd /tmp
 for step in "${@:-all}"; do
+  if [[ $step == copies ]]; then  # how the dispatch's bytes are cut, alone (no JAX)
+    nvcc -O3 -std=c++17 -arch=sm_90a -I"$REPO" -o /tmp/peer "$REPO/bench/peer_copy_pattern.cu" \
+      && timeout 120 /tmp/peer 2>&1 | tee "$OUT/peer_copy_pattern.txt"
+  fi
   if [[ $step == tests || $step == all ]]; then
     # -v into the log, which comes back even when the device call runs out of time (600 s)
     timeout ${JSM_TEST_TIMEOUT:-480} python3 -m pytest -v ${JSM_PYTEST_ARGS--x} -p no:cacheprovider --durations=8 \

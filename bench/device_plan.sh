@@ -14,7 +14,8 @@ case "${1:-}" in
     JSM_TEST_TIMEOUT=260 JSM_SUBSET_TIMEOUT=100 bash bench/device_cuda.sh tests
     ;;
   B)
-    JSM_PYTEST_ARGS="" JSM_TEST_TIMEOUT=300 bash bench/device_multigpu.sh tests
+    bash bench/device_multigpu.sh copies
+    JSM_PYTEST_ARGS="" JSM_TEST_TIMEOUT=280 bash bench/device_multigpu.sh tests
     JSM_BENCH_TIMEOUT=150 JSM_BENCH_SHAPES=dsv3 JSM_BENCH_TOKENS=1024,4096,8192 \
       JSM_BENCH_ARGS="--iters 10 --warmup 2" bash bench/device_multigpu.sh bench
     JSM_BENCH_TIMEOUT=90 JSM_BENCH_SHAPES=dsv3 JSM_BENCH_TOKENS=4096 \

@@ -1,0 +1,228 @@
+// What does moving one dispatch's rows between two GPUs cost, by how it is cut? The same ~120 MB
+// (dsv3, 4096 tokens/rank, R = 2: the half of 32768 rows of 7408 bytes that goes to the peer) is
+// sent GPU0 -> GPU1 and GPU1 -> GPU0 at once, as N segments (N = 768: engine ce's copies today, one
+// per expert and array; N = 6: one per array and destination), by:
+//   batch   one cudaMemcpyBatchAsync of the N copies (engine ce)
+//   single  N cudaMemcpyAsync calls
+//   flags   batch in chunks of 48 copies, each chunk followed by a cuStreamWriteValue32 (ce today)
+//   sm/B/U  a copy kernel of B blocks x 512 threads, U 16-byte loads in flight per thread before
+//           their stores (engine sm: B = 24; U = 1 before this session's change, 4 after)
+// Per line: GB/s per direction (max of the two directions' event times) and microseconds per
+// segment beyond the wire time at the best rate measured.
+//   nvcc -O3 -std=c++17 -arch=sm_90a -I. -o /tmp/peer bench/peer_copy_pattern.cu && /tmp/peer
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "ffi/cuda_launch.h"  // driver_function: the driver API without linking libcuda
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#define CHECK(x)                                                                       \
+  do {                                                                                 \
+    cudaError_t e_ = (x);                                                              \
+    if (e_ != cudaSuccess) {                                                           \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                    \
+    }                                                                                  \
+  } while (0)
+
+constexpr int64_t kTotal = 16384LL * 7408;  // bytes each way
+
+struct Segments {
+  std::vector<int64_t> offset, bytes;  // the same offsets at source and destination
+};
+
+// n segments of nearly equal size (multiples of 16 bytes) covering kTotal.
+Segments cut(int n) {
+  Segments s;
+  int64_t at = 0;
+  for (int i = 0; i < n; ++i) {
+    const int64_t end = (kTotal * (i + 1) / n) / 16 * 16;
+    s.offset.push_back(at);
+    s.bytes.push_back(end - at);
+    at = end;
+  }
+  return s;
+}
+
+template <int U>
+__global__ void __launch_bounds__(512) copy_kernel(const int64_t* offset, const int64_t* bytes,
+                                                    int n, const uint8_t* __restrict__ src,
+                                                    uint8_t* __restrict__ dst) {
+  for (int q = blockIdx.x; q < n; q += gridDim.x) {
+    const uint4* __restrict__ s = reinterpret_cast<const uint4*>(src + offset[q]);
+    uint4* __restrict__ d = reinterpret_cast<uint4*>(dst + offset[q]);
+    const int64_t n16 = bytes[q] / 16, step = int64_t(blockDim.x) * U;
+    int64_t i = threadIdx.x;
+    for (; i + (U - 1) * int64_t(blockDim.x) < n16; i += step) {
+      uint4 v[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) v[u] = __ldcg(s + i + u * int64_t(blockDim.x));
+#pragma unroll
+      for (int u = 0; u < U; ++u) d[i + u * int64_t(blockDim.x)] = v[u];
+    }
+    for (; i < n16; i += blockDim.x) d[i] = __ldcg(s + i);
+    __threadfence_system();  // as engine sm does before each segment's signal
+  }
+}
+
+struct Side {  // one direction: device `dev` sends its buffer to the peer's
+  int dev;
+  uint8_t *src, *dst;  // dst lives on the peer
+  cudaStream_t st;
+  cudaEvent_t start, stop;
+  int64_t *d_offset, *d_bytes;
+  uint32_t* flag;  // on the peer
+};
+
+void put_batch(Side& s, const Segments& g, size_t first, size_t count) {
+  std::vector<void*> dst;
+  std::vector<const void*> src;
+  std::vector<size_t> bytes;
+  for (size_t i = first; i < first + count; ++i) {
+    dst.push_back(s.dst + g.offset[i]);
+    src.push_back(s.src + g.offset[i]);
+    bytes.push_back(size_t(g.bytes[i]));
+  }
+  cudaMemcpyAttributes attr{};
+  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+  size_t attr_index = 0;
+#if CUDART_VERSION >= 13000
+  CHECK(cudaMemcpyBatchAsync(dst.data(), src.data(), bytes.data(), dst.size(), &attr, &attr_index,
+                             1, s.st));
+#else
+  size_t fail = 0;
+  CHECK(cudaMemcpyBatchAsync(dst.data(), const_cast<void**>(src.data()), bytes.data(), dst.size(),
+                             &attr, &attr_index, 1, &fail, s.st));
+#endif
+}
+
+enum Mode { kBatch, kSingle, kFlags, kSm };
+
+void issue(Side& s, const Segments& g, Mode mode, int blocks, int unroll, uint32_t value) {
+  const size_t n = g.offset.size();
+  if (mode == kBatch) {
+    put_batch(s, g, 0, n);
+  } else if (mode == kSingle) {
+    for (size_t i = 0; i < n; ++i)
+      CHECK(cudaMemcpyAsync(s.dst + g.offset[i], s.src + g.offset[i], size_t(g.bytes[i]),
+                            cudaMemcpyDefault, s.st));
+  } else if (mode == kFlags) {
+    for (size_t i = 0; i < n; i += 48) {
+      put_batch(s, g, i, std::min<size_t>(48, n - i));
+      using WriteValue = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned);
+      static const auto write_value =
+          jsm::cuda::driver_function<WriteValue>("cuStreamWriteValue32");
+      if (!write_value || write_value(reinterpret_cast<CUstream>(s.st), CUdeviceptr(s.flag),
+                                      value, 0) != CUDA_SUCCESS) {
+        std::fprintf(stderr, "cuStreamWriteValue32 failed\n");
+        std::exit(1);
+      }
+    }
+  } else if (unroll == 4) {
+    copy_kernel<4><<<blocks, 512, 0, s.st>>>(s.d_offset, s.d_bytes, int(n), s.src, s.dst);
+  } else {
+    copy_kernel<1><<<blocks, 512, 0, s.st>>>(s.d_offset, s.d_bytes, int(n), s.src, s.dst);
+  }
+}
+
+// Median over reps of the slower direction's time, in ms.
+double measure(Side (&sides)[2], const Segments& g, Mode mode, int blocks, int unroll) {
+  for (Side& s : sides) {
+    CHECK(cudaSetDevice(s.dev));
+    CHECK(cudaMemcpy(s.d_offset, g.offset.data(), g.offset.size() * 8, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(s.d_bytes, g.bytes.data(), g.bytes.size() * 8, cudaMemcpyHostToDevice));
+  }
+  std::vector<double> ms;
+  for (int rep = 0; rep < 12; ++rep) {
+    for (Side& s : sides) {
+      CHECK(cudaSetDevice(s.dev));
+      CHECK(cudaEventRecord(s.start, s.st));
+      issue(s, g, mode, blocks, unroll, uint32_t(rep + 1));
+      CHECK(cudaEventRecord(s.stop, s.st));
+    }
+    double worst = 0;
+    for (Side& s : sides) {
+      CHECK(cudaSetDevice(s.dev));
+      CHECK(cudaEventSynchronize(s.stop));
+      float t = 0;
+      CHECK(cudaEventElapsedTime(&t, s.start, s.stop));
+      worst = std::max(worst, double(t));
+    }
+    if (rep >= 2) ms.push_back(worst);  // two warm-up repetitions
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+int main() {
+  int n_dev = 0;
+  CHECK(cudaGetDeviceCount(&n_dev));
+  if (n_dev < 2) {
+    std::fprintf(stderr, "needs two GPUs\n");
+    return 1;
+  }
+  Side sides[2];
+  uint8_t* buf[2][2];  // [device][0: source, 1: landing]
+  uint32_t* flags[2];
+  for (int d = 0; d < 2; ++d) {
+    CHECK(cudaSetDevice(d));
+    cudaError_t e = cudaDeviceEnablePeerAccess(1 - d, 0);
+    if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) CHECK(e);
+    cudaGetLastError();
+    CHECK(cudaMalloc(&buf[d][0], kTotal));
+    CHECK(cudaMalloc(&buf[d][1], kTotal));
+    CHECK(cudaMemset(buf[d][0], d + 1, kTotal));
+    CHECK(cudaMalloc(&flags[d], 4));
+  }
+  for (int d = 0; d < 2; ++d) {
+    Side& s = sides[d];
+    s.dev = d, s.src = buf[d][0], s.dst = buf[1 - d][1], s.flag = flags[1 - d];
+    CHECK(cudaSetDevice(d));
+    CHECK(cudaStreamCreateWithFlags(&s.st, cudaStreamNonBlocking));
+    CHECK(cudaEventCreate(&s.start));
+    CHECK(cudaEventCreate(&s.stop));
+    CHECK(cudaMalloc(&s.d_offset, 1024 * 8));
+    CHECK(cudaMalloc(&s.d_bytes, 1024 * 8));
+  }
+  std::printf("%-12s %6s %10s %9s %9s\n", "how", "N", "seg KB", "ms", "GB/s");
+  struct Row {
+    const char* name;
+    Mode mode;
+    int blocks, unroll;
+  };
+  const Row rows[] = {{"batch", kBatch, 0, 0},   {"single", kSingle, 0, 0},
+                      {"flags", kFlags, 0, 0},   {"sm/24/U1", kSm, 24, 1},
+                      {"sm/24/U4", kSm, 24, 4},  {"sm/64/U4", kSm, 64, 4},
+                      {"sm/132/U4", kSm, 132, 4}};
+  double best_gbps = 0;
+  for (const Row& r : rows) {
+    for (int n : {768, 256, 48, 6}) {
+      const Segments g = cut(n);
+      const double ms = measure(sides, g, r.mode, r.blocks, r.unroll);
+      const double gbps = kTotal / (ms * 1e6);
+      best_gbps = std::max(best_gbps, gbps);
+      std::printf("%-12s %6d %10.0f %9.3f %9.1f\n", r.name, n, kTotal / 1024.0 / n, ms, gbps);
+    }
+  }
+  std::printf("best %.1f GB/s per direction; a line's overhead per segment = (ms - %.3f) / N\n",
+              best_gbps, kTotal / (best_gbps * 1e6));
+  // the landed bytes of the last run are the source's
+  std::vector<uint8_t> check(4096);
+  for (int d = 0; d < 2; ++d) {
+    CHECK(cudaSetDevice(1 - d));
+    CHECK(cudaMemcpy(check.data(), buf[1 - d][1] + kTotal - 4096, 4096, cudaMemcpyDeviceToHost));
+    for (uint8_t b : check)
+      if (b != d + 1) {
+        std::printf("WRONG bytes landed from device %d\n", d);
+        return 1;
+      }
+  }
+  std::printf("landed bytes checked\n");
+  return 0;
+}
