@@ -2,7 +2,7 @@
 // (dsv3, 4096 tokens/rank, R = 2: the half of 32768 rows of 7408 bytes that goes to the peer) is
 // sent GPU0 -> GPU1 and GPU1 -> GPU0 at once, as N segments (N = 768: engine ce's copies today, one
 // per expert and array; N = 6: one per array and destination), by:
-//   batch   one cudaMemcpyBatchAsync of the N copies (engine ce)
+//   batch   cudaMemcpyBatchAsync calls of up to 128 copies each
 //   single  N cudaMemcpyAsync calls
 //   flags   batch in chunks of 48 copies, each chunk followed by a cuStreamWriteValue32 (ce today)
 //   sm/B/U  a copy kernel of B blocks x 512 threads, U 16-byte loads in flight per thread before
@@ -107,7 +107,7 @@ enum Mode { kBatch, kSingle, kFlags, kSm };
 void issue(Side& s, const Segments& g, Mode mode, int blocks, int unroll, uint32_t value) {
   const size_t n = g.offset.size();
   if (mode == kBatch) {
-    put_batch(s, g, 0, n);
+    for (size_t i = 0; i < n; i += 128) put_batch(s, g, i, std::min<size_t>(128, n - i));
   } else if (mode == kSingle) {
     for (size_t i = 0; i < n; ++i)
       CHECK(cudaMemcpyAsync(s.dst + g.offset[i], s.src + g.offset[i], size_t(g.bytes[i]),
