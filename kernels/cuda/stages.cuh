@@ -136,7 +136,10 @@ __global__ void route_count_kernel(const int32_t* ids, int64_t n, int32_t E, int
   }
 }
 
-// Launch 2, grid E, 1024 threads: block e places its ids after the segments of experts < e.
+// Launch 2, grid E, 1024 threads: block e places its ids after the segments of experts < e. Each
+// thread takes kPlacePerThread consecutive ids of a chunk, so the three block barriers of a chunk
+// are paid once per 8192 ids (a chunk of one id per thread paid them per 1024).
+constexpr int kPlacePerThread = 8;
 __global__ void route_place_kernel(const int32_t* ids, int64_t n, int32_t E,
                                    const int32_t* send_counts, int32_t* send_pos) {
   __shared__ int32_t warp_sums[32];
@@ -154,18 +157,33 @@ __global__ void route_place_kernel(const int32_t* ids, int64_t n, int32_t E,
     base = total;
   }
   __syncthreads();
-  for (int64_t chunk = 0; chunk < n; chunk += blockDim.x) {
-    const int64_t i = chunk + threadIdx.x;
-    const bool mine = i < n && ids[i] == e;
-    const uint32_t ballot = __ballot_sync(0xFFFFFFFFu, mine);
-    if (lane == 0) warp_sums[warp] = __popc(ballot);
+  const int64_t per_chunk = int64_t(blockDim.x) * kPlacePerThread;
+  for (int64_t chunk = 0; chunk < n; chunk += per_chunk) {
+    const int64_t i0 = chunk + int64_t(threadIdx.x) * kPlacePerThread;
+    bool hit[kPlacePerThread];
+    int mine = 0;
+#pragma unroll
+    for (int j = 0; j < kPlacePerThread; ++j) {
+      hit[j] = i0 + j < n && ids[i0 + j] == e;
+      mine += hit[j];
+    }
+    int incl = mine;  // inclusive prefix over the warp's threads, in id order
+#pragma unroll
+    for (int o = 1; o < kWarp; o <<= 1) {
+      const int v = __shfl_up_sync(0xFFFFFFFFu, incl, o);
+      if (lane >= o) incl += v;
+    }
+    if (lane == kWarp - 1) warp_sums[warp] = incl;
     __syncthreads();
-    int prefix = 0, chunk_total = 0;
+    int warp_before = 0, chunk_total = 0;
     for (int w = 0; w < warps; ++w) {  // warps is at most 32: a short smem loop
-      prefix += w < warp ? warp_sums[w] : 0;
+      warp_before += w < warp ? warp_sums[w] : 0;
       chunk_total += warp_sums[w];
     }
-    if (mine) send_pos[i] = base + prefix + __popc(ballot & ((1u << lane) - 1u));
+    int pos = base + warp_before + incl - mine;
+#pragma unroll
+    for (int j = 0; j < kPlacePerThread; ++j)
+      if (hit[j]) send_pos[i0 + j] = pos++;
     __syncthreads();
     if (threadIdx.x == 0) base += chunk_total;
     __syncthreads();
