@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 #include "ffi/cuda_launch.h"  // driver_function: the driver API without linking libcuda
+#include "kernels/cuda/ep_dispatch.cuh"  // block_copy: engine sm's copy loop
 
 #include <algorithm>
 #include <cstdio>
@@ -51,21 +52,9 @@ Segments cut(int n) {
 
 template <int U>
 __global__ void __launch_bounds__(512) copy_kernel(const int64_t* offset, const int64_t* bytes,
-                                                    int n, const uint8_t* __restrict__ src,
-                                                    uint8_t* __restrict__ dst) {
+                                                    int n, const uint8_t* src, uint8_t* dst) {
   for (int q = blockIdx.x; q < n; q += gridDim.x) {
-    const uint4* __restrict__ s = reinterpret_cast<const uint4*>(src + offset[q]);
-    uint4* __restrict__ d = reinterpret_cast<uint4*>(dst + offset[q]);
-    const int64_t n16 = bytes[q] / 16, step = int64_t(blockDim.x) * U;
-    int64_t i = threadIdx.x;
-    for (; i + (U - 1) * int64_t(blockDim.x) < n16; i += step) {
-      uint4 v[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) v[u] = __ldcg(s + i + u * int64_t(blockDim.x));
-#pragma unroll
-      for (int u = 0; u < U; ++u) d[i + u * int64_t(blockDim.x)] = v[u];
-    }
-    for (; i < n16; i += blockDim.x) d[i] = __ldcg(s + i);
+    jsm::cuda::block_copy<U>(dst + offset[q], src + offset[q], bytes[q]);
     __threadfence_system();  // as engine sm does before each segment's signal
   }
 }

@@ -57,9 +57,10 @@ __global__ void ep_headers_kernel(const int32_t* token, const int32_t* slot, con
 }
 
 // Block-cooperative copy of n bytes at the widest width both ends' alignment allows. The 16-byte
-// path keeps kCopyUnroll loads in flight per thread before their stores (a load after a store to
-// memory that may alias would otherwise wait for it: one load in flight per thread).
+// path keeps U loads in flight per thread before their stores (a load after a store to memory
+// that may alias would otherwise wait for it: one load in flight per thread).
 constexpr int kCopyUnroll = 4;
+template <int U = kCopyUnroll>
 __device__ __forceinline__ void block_copy(uint8_t* __restrict__ dst,
                                            const uint8_t* __restrict__ src, int64_t n) {
   const uintptr_t mis = (reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
@@ -67,14 +68,14 @@ __device__ __forceinline__ void block_copy(uint8_t* __restrict__ dst,
   if ((mis & 15) == 0) {
     uint4* __restrict__ d = reinterpret_cast<uint4*>(dst);
     const uint4* __restrict__ s = reinterpret_cast<const uint4*>(src);
-    const int64_t n16 = n / 16, step = int64_t(blockDim.x) * kCopyUnroll;
+    const int64_t n16 = n / 16, step = int64_t(blockDim.x) * U;
     int64_t i = threadIdx.x;
-    for (; i + (kCopyUnroll - 1) * int64_t(blockDim.x) < n16; i += step) {
-      uint4 v[kCopyUnroll];
+    for (; i + (U - 1) * int64_t(blockDim.x) < n16; i += step) {
+      uint4 v[U];
 #pragma unroll
-      for (int u = 0; u < kCopyUnroll; ++u) v[u] = __ldcg(s + i + u * int64_t(blockDim.x));
+      for (int u = 0; u < U; ++u) v[u] = __ldcg(s + i + u * int64_t(blockDim.x));
 #pragma unroll
-      for (int u = 0; u < kCopyUnroll; ++u) d[i + u * int64_t(blockDim.x)] = v[u];
+      for (int u = 0; u < U; ++u) d[i + u * int64_t(blockDim.x)] = v[u];
     }
     for (; i < n16; i += blockDim.x) d[i] = __ldcg(s + i);
   } else if ((mis & 3) == 0) {
