@@ -616,17 +616,6 @@ def _reference_layout(x, ids, weights, *, E: int, row_align: int, cap: int):
   return reference.dispatch(reference.quantize(x), ids, weights, E, row_align, cap)
 
 
-@functools.partial(jax.jit, static_argnames=("rank", "n", "swiglu_limit"))
-def _expert_h32(values, scales, starts, experts, w1q, *, rank: int, n: int, swiglu_limit):
-  """float32 h [P, n, I] of the n landed rows of `rank` from starts[p] through its local expert
-  experts[p]: SwiGLU(dequantize(rows) @ dequantize(w1[e]).T) at HIGHEST precision. Rows past a
-  block's end are read too (clamped at M_cap) and cut by the caller."""
-  idx = jnp.minimum(starts[:, None] + jnp.arange(n), values.shape[1] - 1)
-  w = jax.tree.map(lambda a: a[rank][experts], w1q)                         # [P, 2I, H]
-  return jax.vmap(reference.expert_h32, in_axes=(0, 0, 0, None))(
-      values[rank][idx], scales[rank][idx], w, swiglu_limit)
-
-
 def sampled_reference(shape: jsm.MoEShape, row_align: int, cap: int, inputs, w1q,
                       rng: np.random.Generator) -> tuple:
   """One process, any size: the full layout of every rank from reference.dispatch (on the
@@ -651,13 +640,11 @@ def sampled_reference(shape: jsm.MoEShape, row_align: int, cap: int, inputs, w1q
       continue
     pick = {nonempty[0], nonempty[-1], int(np.argmax(counts))}
     pick |= set(rng.choice(nonempty, min(RANDOM_EXPERTS, len(nonempty)), replace=False).tolist())
-    experts = np.array(sorted(int(e) for e in pick), np.int32)
-    n = int(counts[experts].max())
-    h32 = global_to_host(_expert_h32(landed.values, landed.scales,
-                                     jnp.asarray(offsets[experts]), jnp.asarray(experts), w1q,
-                                     rank=rank, n=n, swiglu_limit=shape.swiglu_limit))
-    blocks.update({(rank, int(e)): h32[p, :counts[e]] for p, e in enumerate(experts)})
-    checked += [(rank, int(e)) for e in experts]
+    experts = sorted(int(e) for e in pick)
+    h32 = reference.sampled_h32(landed.values, landed.scales, offsets, counts, experts, w1q, rank,
+                                shape.swiglu_limit, host=global_to_host)
+    blocks.update({(rank, e): h for e, h in h32.items()})
+    checked += [(rank, e) for e in experts]
   return Reference(lay, blocks), checked
 
 

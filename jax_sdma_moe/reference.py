@@ -5,6 +5,7 @@ the whole Stage1 of all R ranks is computed on one device, with no collective.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import jax
@@ -154,6 +155,37 @@ def expert_h32(values: jax.Array, scales: jax.Array, w1e: QuantizedW1,
   gu = jnp.matmul(a, w.T, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
   I = w.shape[0] // 2
   return swiglu(gu[..., :I], gu[..., I:], swiglu_limit)
+
+
+@functools.partial(jax.jit, static_argnames=("rank", "n", "swiglu_limit"))
+def experts_h32(values: jax.Array, scales: jax.Array, starts: jax.Array, experts: jax.Array,
+                w1q: QuantizedW1, *, rank: int, n: int, swiglu_limit: Optional[float]) -> jax.Array:
+  """float32 h [P, n, I] of the n landed rows of `rank` (values, scales: [R, M_cap, ...]) from
+  starts[p] through its local expert experts[p] (w1q: [R, E/R, 2I, H], or [E, 2I, H] split over
+  the R ranks): expert_h32 of P experts in one program. Rows past an expert's end are read too
+  (clamped at M_cap): cut them."""
+  R = values.shape[0]
+  idx = jnp.minimum(starts[:, None] + jnp.arange(n), values.shape[1] - 1)
+  w = jax.tree.map(lambda a: (a if a.ndim == 4 else a.reshape(R, -1, *a.shape[1:]))[rank][experts],
+                   w1q)                                                      # [P, 2I, H]
+  return jax.vmap(expert_h32, in_axes=(0, 0, 0, None))(
+      values[rank][idx], scales[rank][idx], w, swiglu_limit)
+
+
+def sampled_h32(values: jax.Array, scales: jax.Array, offsets: np.ndarray, counts: np.ndarray,
+                experts, w1q: QuantizedW1, rank: int, swiglu_limit: Optional[float],
+                bucket: int = 64, host=np.asarray) -> dict:
+  """{e: float32 h [counts[e], I]} of some local experts of `rank` (arguments as experts_h32;
+  offsets, counts: that rank's §4 layout on the host). The row count is rounded up to `bucket`
+  so that checks of many experts and calls share a few compiled programs. host: how the result
+  comes to the host (a multi-process caller gathers it)."""
+  experts = np.asarray(sorted(int(e) for e in experts), np.int32)
+  if not len(experts):
+    return {}
+  n = -(-max(1, int(np.max(counts[experts]))) // bucket) * bucket
+  h = host(experts_h32(values, scales, jnp.asarray(offsets[experts]), jnp.asarray(experts), w1q,
+                       rank=rank, n=n, swiglu_limit=swiglu_limit))
+  return {int(e): h[p, :counts[e]] for p, e in enumerate(experts)}
 
 
 def gemm1_f32(values: jax.Array, scales: jax.Array, expert_offsets: jax.Array,

@@ -42,6 +42,11 @@ def mine(tree):
   return jax.tree.map(lambda a: np.asarray(a.addressable_shards[0].data)[0], tree)
 
 
+class Tc:  # check_block's assertions, outside a TestCase
+  def assertFalse(self, c, m): assert not c, m
+  def assertLessEqual(self, a, b, m): assert a <= b, f"{m}: {a} > {b}"
+
+
 def run(shape_name, T, r, iters=1):
   s = jsm.SHAPES[shape_name]
   E, K, EL = s.num_experts, s.topk, s.num_experts // R
@@ -82,15 +87,13 @@ def run(shape_name, T, r, iters=1):
       offs, cnts = out.expert_offsets, out.expert_counts
       got = np.asarray(out.h, np.float32)
       nonempty = np.flatnonzero(cnts)  # none on a rank that skewed routing sends nothing
-      for e in sorted({int(e) for e in pick.choice(nonempty, min(3, len(nonempty)))}):
-        rows = slice(int(offs[e]), int(offs[e] + cnts[e]))
-        ref = reference.expert_h32(landed.values[pid, rows], landed.scales[pid, rows],
-                                   jax.tree.map(lambda a: a[e], w1q), s.swiglu_limit)
-
-        class Tc:  # check_block's assertions, outside a TestCase
-          def assertFalse(self, c, m): assert not c, m
-          def assertLessEqual(self, a, b, m): assert a <= b, f"{m}: {a} > {b}"
-        _util.check_block(Tc(), got[rows], ref, "bf16", f"{shape_name} T={T} expert {e}")
+      picked = {int(e) for e in pick.choice(nonempty, min(3, len(nonempty)))}
+      # this rank's rows as a one-rank stack, against its own experts' weights (w1q: [EL, ...])
+      refs = reference.sampled_h32(landed.values[pid:pid + 1], landed.scales[pid:pid + 1], offs,
+                                   cnts, picked, w1q, 0, s.swiglu_limit)
+      for e, ref in refs.items():
+        _util.check_block(Tc(), got[offs[e]:offs[e] + cnts[e]], ref, "bf16",
+                          f"{shape_name} T={T} expert {e}")
   for rt in runtimes.values():
     rt.check()
     rt.close()
