@@ -4,7 +4,7 @@
 Each gemm1 variant (JSM_GEMM1, read per call by the handler) runs on the same landed rows; its h
 must match the first variant's within the §3 tolerance (every row, every column) before it is
 timed, and its worst relative error (Frobenius, §3 bound 4e-3) over a sample of experts against
-reference.expert_h32 is printed. The timing ablations 'ws-no*' leave a part of the kernel out
+reference.sampled_h32 is printed. The timing ablations 'ws-no*' leave a part of the kernel out
 (wrong results, only timed). The route variants (JSM_ROUTE) must produce identical counts and
 positions. Prints one table: median ms over --iters calls and useful TFLOP/s."""
 import argparse
@@ -81,9 +81,8 @@ def main():
       nonempty = np.flatnonzero(cnts)
       picks = sorted({int(nonempty[0]), int(nonempty[-1]), int(np.argmax(cnts))}
                      | {int(e) for e in r.choice(nonempty, 3, replace=False)})
-      refs = {e: np.asarray(reference.expert_h32(
-          landed.values[0, offs[e]:offs[e] + cnts[e]], landed.scales[0, offs[e]:offs[e] + cnts[e]],
-          jax.tree.map(lambda q: q[e], w1q), s.swiglu_limit)) for e in picks}
+      refs = reference.sampled_h32(landed.values, landed.scales, offs, cnts, picks, w1q, 0,
+                                   s.swiglu_limit)
       base = None
       for v in a.gemm1.split(","):
         os.environ["JSM_GEMM1"] = v
