@@ -77,11 +77,12 @@ class CudaStagesTest(parameterized.TestCase):
       np.testing.assert_array_equal(_util.as_bytes(got.values), _util.as_bytes(want.values))
       np.testing.assert_array_equal(np.asarray(got.scales), np.asarray(want.scales))
 
-  @parameterized.parameters(("uniform", 1, 256, 8, 4096), ("masked", 4, 32, 4, 777),
-                            ("invalid", 8, 384, 6, 129), ("uniform", 2, 16, 1, 1))
-  def test_route_qpack_pack(self, routing, R, E, K, T):
+  # H: one partial round of 32 MX blocks in qpack (512, 96), full rounds (7168), a full round
+  # then a partial one (1536)
+  @parameterized.parameters(("uniform", 1, 256, 8, 4096, 512), ("masked", 4, 32, 4, 777, 1536),
+                            ("invalid", 8, 384, 6, 129, 7168), ("uniform", 2, 16, 1, 1, 96))
+  def test_route_qpack_pack(self, routing, R, E, K, T, H):
     r = _util.rng()
-    H = 512
     ids = _util.make_ids(r, R, -(-T // R), K, E, routing)[:T]
     x = jnp.asarray(r.standard_normal((T, H)), jnp.bfloat16)
     w = jnp.asarray(r.random((T, K)), jnp.float32)
