@@ -1344,9 +1344,9 @@ def main(args) -> None:
   tokens = [int(t) for t in parse_list(args.tokens, DEFAULT_TOKENS[mode])]
   default_engines = DEFAULT_ENGINES[mode] if launch == "single" else MULTI_PROCESS_ENGINES
   if args.gpu and ((args.devices or 1) > 1 or launch != "single"):
-    default_engines = DEFAULT_GPU_MULTI_ENGINES if args.platform == "gpu" else "xla"
-    if launch != "single" and args.platform == "gpu":  # engine xla: not across GPU processes
-      default_engines = DEFAULT_GPU_MULTI_PROCESS_ENGINES
+    default_engines = ("xla" if args.platform != "gpu" else
+                       DEFAULT_GPU_MULTI_ENGINES if launch == "single" else
+                       DEFAULT_GPU_MULTI_PROCESS_ENGINES)  # Runtime refuses xla across processes
   engines = parse_list(args.engines, default_engines)
   skipped_natives(args)  # reject unknown names before anything runs
   start_processes(args, launch)

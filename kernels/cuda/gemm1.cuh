@@ -190,6 +190,11 @@ struct TileScheduler {
     return int((g.I + BN - 1) / BN);
   }
 
+  // Pipeline stages per tile, kb MX blocks (kb * 32 bytes of K per row) each.
+  static __device__ __forceinline__ int k_stages(const Gemm1Args& g, int kb) {
+    return int((g.H / kBlock + kb - 1) / kb);
+  }
+
   __device__ __forceinline__ void init(const Gemm1Args& g) {
     exclusive_scan_smem(g.EL, tile_start,
                         [&](int e) { return (g.counts[e] + BM - 1) / BM * n_tiles(g); });
@@ -322,8 +327,7 @@ __global__ void __launch_bounds__(THREADS, 1) gemm1_kernel(const Gemm1Args g_in)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wm = warp & 3, wn = warp >> 2;  // 4 x 2 warps
   const int grp = lane >> 2, tig = lane & 3;
-  const int64_t HS = g.H / kBlock;
-  const int num_k = int((HS + KB - 1) / KB);
+  const int num_k = TileScheduler::k_stages(g, KB);
 
   int ready = -1;
   for (int w = blockIdx.x; w < total; w += gridDim.x) {

@@ -211,8 +211,7 @@ __global__ void __launch_bounds__(THREADS, 1) gemm1_kernel(const Gemm1Args g_in)
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane_id = threadIdx.x % 32;
   const int grp = lane_id >> 2, tig = lane_id & 3;
   const int row0 = wg * 64 + warp * 16 + grp;  // this thread's rows: row0, row0 + 8
-  const int64_t HS = g.H / kBlock;
-  const int num_k = int((HS + KB - 1) / KB);
+  const int num_k = TileScheduler::k_stages(g, KB);
 
   int ready = -1;
   for (int w = blockIdx.x; w < total; w += gridDim.x) {

@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   }
   sched.init(g);  // ends with __syncthreads: the barriers are initialised for everyone
   const int total = sched.total(g);
-  const int num_k = int((g.H / kBlock + KB - 1) / KB);
+  const int num_k = TileScheduler::k_stages(g, KB);
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
 
   if (wg == 0) {
