@@ -23,9 +23,11 @@ case "${1:-}" in
       JSM_BENCH_ARGS="--iters 10 --warmup 2" bash bench/device_multigpu.sh mpibench
     ;;
   C)
-    JSM_BENCH_TIMEOUT=400 JSM_BENCH_SHAPES="dsv3 v4pro" JSM_BENCH_ARGS="--iters 10 --warmup 2" \
+    JSM_BENCH_TIMEOUT=300 JSM_BENCH_SHAPES="dsv3 v4pro" JSM_BENCH_ARGS="--iters 10 --warmup 2" \
       bash bench/device_cuda.sh bench
-    timeout 60 bash bench/device_cuda.sh sanitize
+    JSM_SANITIZE_TIMEOUT=90 bash bench/device_cuda.sh sanitize
+    JSM_TEST_FILTER="equals_cpu or xla_engine" JSM_TEST_TIMEOUT=80 JSM_SUBSET_TIMEOUT=0 \
+      bash bench/device_cuda.sh tests
     ;;
   *)
     echo "usage: bash bench/device_plan.sh A|B|C" >&2

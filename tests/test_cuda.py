@@ -175,8 +175,9 @@ class CudaStage1Test(parameterized.TestCase):
                                   mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
         outs[dev.platform] = jax.tree.map(np.asarray, f(*on(dev, (x, ids, w, w1q))))
     ref, h32 = _util.reference(x, ids, w, w1q, 1, cfg, T)
-    for out in outs.values():
-      _util.check_stage1(self, jax.tree.map(lambda a: a[None], out), ref, h32, out_dtype)
+    for platform, out in outs.items():
+      with self.subTest(platform=platform):
+        _util.check_stage1(self, jax.tree.map(lambda a: a[None], out), ref, h32, out_dtype)
 
   def test_xla_engine_matches_local(self):
     """engine xla (ragged_all_to_all on GPU) lands the same bytes as engine local (R = 1)."""

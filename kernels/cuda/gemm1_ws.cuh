@@ -94,9 +94,7 @@ enum Ablation : int {
 // map_a: landed rows [m_cap, H] bytes, box kABoxRows rows x 128 B (fused: one map per slot
 // parity, else map_a1 is unused); map_b: w1 [EL * 2I, H], box 64 rows. A rows of the tile past
 // its valid ones (rounded up to a box) keep stale data: they are never stored.
-// kLag: stages between a stage's scale copy and its conversion (the producer waits for that copy
-// then; JSM_GEMM1=ws-lag4 tries 4: more copies in flight, a later `full`).
-template <int kAblation = kFull, int kLag = LAG>
+template <int kAblation = kFull>
 __global__ void __launch_bounds__(THREADS, 1)
     gemm1_ws_kernel(const Gemm1Args g_in, const __grid_constant__ CUtensorMap map_a0,
                     const __grid_constant__ CUtensorMap map_a1,
@@ -156,14 +154,14 @@ __global__ void __launch_bounds__(THREADS, 1)
           gemm1_v3::issue_scale_row(g, t, ks, BM + tid, &sh.scale_bytes[b][BM + tid]);
         }
         cp_async_commit();
-        if (issued >= kLag) {
-          cp_async_wait<kLag>();
-          finish(issued - kLag);
+        if (issued >= LAG) {
+          cp_async_wait<LAG>();
+          finish(issued - LAG);
         }
       }
     }
     cp_async_wait<0>();
-    for (uint32_t i = issued >= kLag ? issued - kLag : 0; i < issued; ++i) finish(i);
+    for (uint32_t i = issued >= LAG ? issued - LAG : 0; i < issued; ++i) finish(i);
     return;
   }
 
