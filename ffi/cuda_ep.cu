@@ -258,11 +258,13 @@ std::string ce_plan(cudaStream_t st, const WindowSet& w, LocalRank& me, const cu
   return "";
 }
 
-// Engine ce, step 3 on `side`: the rows and their headers (made by dispatch() before the fork),
-// from the plan ce_plan read. Enqueued after the fused GEMM's launch: the host's enqueueing of the
-// copies does not delay the GEMM, whose tiles wait for their experts' signals anyway.
-std::string ce_rows(cudaStream_t side, const WindowSet& w, LocalRank& me, const cuda::EpArgs& a,
-                    uint32_t epoch) {
+// Engine ce, step 3: the rows and their headers (made by dispatch() before the fork), from the plan
+// ce_plan read, to the destinations `peers` selects: this rank's own segments (peers = false) on
+// XLA's stream before the fused GEMM's launch, the peers' (peers = true) on the side stream after
+// it. A copy within one GPU may run as a driver kernel, which a persistent GEMM holding every SM
+// (and waiting for these very rows) would never let start (measured: dsv3 hung until the timeout).
+std::string ce_rows(cudaStream_t stream, const WindowSet& w, LocalRank& me, const cuda::EpArgs& a,
+                    uint32_t epoch, bool peers) {
   const int64_t R = w.g.R, EL = w.g.EL, H = w.g.H, HS = H / kBlock;
   const int p = int(epoch & 1), rank = me.rank;
   const EpWindowLayout& L = w.L;
@@ -289,7 +291,7 @@ std::string ce_rows(cudaStream_t side, const WindowSet& w, LocalRank& me, const 
   }
   CopyBatch batch;
   for (int64_t e0 = 0; e0 < EL; e0 += kFlagChunk) {
-    for (int64_t j = 1; j <= R; ++j) {
+    for (int64_t j = peers ? 1 : R; j <= (peers ? R - 1 : R); ++j) {
       const int64_t d = (rank + j) % R;
       uint8_t* dst = me.peers.base[d];
       flags.clear();
@@ -307,8 +309,8 @@ std::string ce_rows(cudaStream_t side, const WindowSet& w, LocalRank& me, const 
                   size_t(keep) * sizeof(cuda::RowHeader));
         flags.push_back(at<uint32_t>(dst, L.seg_flag[p]) + e * R + rank);
       }
-      err = put(batch, side);
-      if (err.empty()) err = write_flags(side, flags, epoch);
+      err = put(batch, stream);
+      if (err.empty()) err = write_flags(stream, flags, epoch);
       if (!err.empty()) return err;
     }
   }
@@ -494,7 +496,7 @@ std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendVi
   a.counts = send.counts, a.values = send.values, a.scales = send.scales;
   a.token = send.token, a.slot = send.slot, a.weight = send.weight;
   const bool absent = opt.fault_absent_rank == me->rank;
-  int sm_blocks = 0;
+  int busy_sms = 0;  // SMs the fused GEMM leaves to the dispatch
   if (!absent) {
     if (opt.fault_delay_rank == me->rank)
       std::this_thread::sleep_for(std::chrono::milliseconds(opt.fault_delay_ms));
@@ -518,12 +520,14 @@ std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendVi
       JSM_CUDA_TRY("dispatch sm",
                    cudaFuncSetAttribute(cuda::ep_sm_kernel,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-      sm_blocks = std::min(w->sm_blocks, cuda::num_sms() - 1);
-      cuda::ep_sm_kernel<<<sm_blocks, 512, smem, me->side>>>(a);
+      busy_sms = std::min(w->sm_blocks, cuda::num_sms() - 1);
+      cuda::ep_sm_kernel<<<busy_sms, 512, smem, me->side>>>(a);
       JSM_CUDA_TRY("dispatch sm", cudaGetLastError());
     } else {
       err = ce_plan(st, *w, *me, a, epoch, opt);
+      if (err.empty()) err = ce_rows(st, *w, *me, a, epoch, /*peers=*/false);
       if (!err.empty()) return err;
+      busy_sms = 1;  // left to the driver (a peer copy's kernel, if it uses one), not the GEMM
     }
   }
   const int64_t EL = w->g.EL;
@@ -538,12 +542,12 @@ std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendVi
                   int(w->g.R),
                   a.timeout_ns,
                   me->err_dev,
-                  cuda::num_sms() - sm_blocks};
+                  cuda::num_sms() - busy_sms};
     err = gemm(slot, st, gemm_ctx);
     if (!err.empty()) return err;
   }
   if (w->engine == kCopyEngine && !absent) {
-    err = ce_rows(me->side, *w, *me, a, me->epoch);
+    err = ce_rows(me->side, *w, *me, a, me->epoch, /*peers=*/true);
     if (!err.empty()) return err;
   }
   // a few blocks per SM (grid-stride): each block first waits for every signal
