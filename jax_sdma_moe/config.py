@@ -34,8 +34,9 @@ class Stage1Config:
   engine: how rows move between ranks: "cpu" (memcpy between the virtual CPU devices of one
     process through the Runtime's windows), "local" (one rank: all experts on this device, rows
     placed by a local copy kernel; CPU or CUDA), "xla" (XLA collectives, any platform), and the GPU
-    engines "ce", "sm" (CUDA) and "sdma" (ROCm). None picks "cpu" on CPU meshes, "local" on a
-    one-device GPU axis and "xla" on a larger one.
+    engines "ce", "sm" (CUDA) and "sdma" (ROCm). None picks "cpu" on CPU meshes (one process;
+    "xla" across processes), "local" on a one-device GPU axis, "sm" on a larger CUDA axis that is
+    the mesh's only axis longer than one, and "xla" otherwise.
   row_align: every local expert's rows start at a multiple of this (the GEMM M-tile).
   max_recv_rows: static landing capacity per rank (M_cap); None is the dropless worst case.
   out_dtype: "bf16" or "mxfp8" (values + per-32 scales along I).

@@ -65,8 +65,13 @@ class Runtime:
       engine = config.engine
     elif self.platform == "cpu":
       engine = "xla" if self.multi_process else "cpu"
+    elif self.num_ranks == 1:
+      engine = "local"
+    elif (self.platform == "cuda" and primitives._extension().has_cuda()
+          and all(n == 1 for a, n in mesh.shape.items() if a != axis_name)):
+      engine = "sm"  # the fastest measured on 2xH200, in both launch modes (docs/PERF.md)
     else:
-      engine = "local" if self.num_ranks == 1 else "xla"
+      engine = "xla"
     if self.platform not in _ENGINE_PLATFORMS[engine]:
       raise ValueError(f"Runtime: engine {engine!r} runs on {_ENGINE_PLATFORMS[engine]}, "
                        f"but the mesh is on {self.platform!r}")

@@ -198,6 +198,14 @@ class MultiGpuStage1Test(parameterized.TestCase):
     for name, a, b in zip(outs["xla"]._fields, outs["xla"], outs[engine]):
       np.testing.assert_array_equal(_util.as_bytes(a), _util.as_bytes(b), err_msg=name)
 
+  def test_default_engine(self):
+    """Stage1Config() on a CUDA "ep" axis of R GPUs picks engine sm; with 4 GPUs, a 2 x 2 mesh
+    (another axis longer than one, which the window engines refuse) falls back to xla."""
+    self.assertEqual(jsm.Runtime(gpu_mesh(), "ep", jsm.Stage1Config()).engine, "sm")
+    if len(GPUS) >= 4:
+      mesh2 = jax.sharding.Mesh(np.array(GPUS[:4]).reshape(2, 2), ("ep", "dp"))
+      self.assertEqual(jsm.Runtime(mesh2, "ep", jsm.Stage1Config()).engine, "xla")
+
   @parameterized.parameters("ce", "sm")
   def test_absent_peer_times_out(self, engine):
     """Rank 1 never takes part: rank 0 gives up after timeout_s with an error naming rank 1
