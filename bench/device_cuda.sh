@@ -2,7 +2,8 @@
 # On a lent GPU machine, from the repository root: build with the machine's jax (no registry there),
 # run the CUDA tests, compute-sanitizer on a small case, and the single-GPU benchmark
 # (bench/run.py --gpu: table in bench.log, gpu.json and gpu.png in $OUT).
-# Usage: bash bench/device_cuda.sh [tests|variants|sanitize|bench|all] ...  (default: all)
+# Usage: bash bench/device_cuda.sh [tests|variants|sanitize|profile|bench|all] ...  (default: all;
+# profile: ncu on one launch of the default gemm1, report and per-SASS-line CSV into $OUT)
 # bench takes JSM_BENCH_SHAPES (default "dsv3 v4pro"), JSM_BENCH_TOKENS (comma list) and
 # JSM_BENCH_ARGS (more bench/run.py flags, e.g. "--skip-native ragged").
 source "$(dirname "$0")/device_build.sh"
@@ -27,6 +28,18 @@ for step in "${@:-all}"; do
     timeout ${JSM_VARIANTS_TIMEOUT:-300} python3 "$REPO/bench/kernel_variants.py" \
       ${JSM_VARIANTS_ARGS:---tokens 128,1024,4096,8192} 2>&1 | tee "$OUT/variants.log" \
       | grep -v "^- " | tail -24
+  fi
+  if [[ $step == profile ]]; then  # ncu on one launch of the default gemm1 (dsv3, bf16 out)
+    timeout ${JSM_PROFILE_TIMEOUT:-240} ncu --clock-control none -k regex:gemm1_ws_kernel \
+      --launch-count 1 --set full --import-source yes -f -o "$OUT/gemm1_ws" \
+      python3 "$REPO/bench/kernel_variants.py" --tokens "${JSM_PROFILE_TOKENS:-4096}" --gemm1 ws \
+      --route blocks --iters 1 > "$OUT/profile.log" 2>&1
+    echo "ncu rc=$?"; tail -3 "$OUT/profile.log"
+    ncu --import "$OUT/gemm1_ws.ncu-rep" --page details > "$OUT/gemm1_ws-details.txt" 2>&1
+    ncu --import "$OUT/gemm1_ws.ncu-rep" --page source --csv --print-source sass \
+      > "$OUT/gemm1_ws-sass.csv" 2>&1
+    grep -E "Duration|Issue Slots Busy|Issued Warp|Warp Cycles Per Issued|No Eligible|Memory Throughput|Compute \(SM\)" \
+      "$OUT/gemm1_ws-details.txt" | head -24
   fi
   if [[ $step == bench || $step == all ]]; then
     timeout ${JSM_BENCH_TIMEOUT:-540} python3 "$REPO/bench/run.py" --gpu --shapes "$(tr ' ' , <<< "${JSM_BENCH_SHAPES:-dsv3 v4pro}")" \

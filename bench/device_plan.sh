@@ -1,36 +1,39 @@
 #!/usr/bin/env bash
-# The device runs that validate and measure issues 3 and 4, in three calls that each fit the
-# 600 s limit of one device call (every step has its own timeout; logs land in $OUT even when a
-# step runs out; with ~30 s to start each machine the three take ~29 min of the 30). From the
-# repository root:
-#   run A on nvidia-h200:    bash bench/device_plan.sh A   # gemm1 variants + ablations, CUDA tests
-#   run B on nvidia-h200-x2: bash bench/device_plan.sh B   # multi-GPU tests (both launch modes), R = 2 benches
-#   run C on nvidia-h200:    bash bench/device_plan.sh C   # bench/run.py --gpu (R = 1, dsv3, v4pro), sanitizer
+# The device runs that validate and measure the open issues, each fitting the 600 s limit of one
+# device call (every step has its own timeout; logs land in $OUT even when a step runs out). With
+# ~30 s to start a machine, D + E + F take ~29 of a session's 30 minutes: run them back to back on
+# one warm nvidia-h200-x2 (the package is built once per machine). From the repository root:
+#   run A on nvidia-h200:    bash bench/device_plan.sh A  # gemm1: ncu profile + variants/ablations
+#   run C on nvidia-h200:    bash bench/device_plan.sh C  # R = 1: CUDA tests, sanitizer, bench table
+#   run D on nvidia-h200-x2: bash bench/device_plan.sh D  # all multi-GPU tests (both launch modes)
+#   run E on nvidia-h200-x2: bash bench/device_plan.sh E  # bench, one process, dsv3 + v4pro sweep
+#   run F on nvidia-h200-x2: bash bench/device_plan.sh F  # bench under mpirun -n 2, same sweep
 set -uo pipefail
 export OUT=${OUT:-/tmp/jsm-out}
 case "${1:-}" in
   A)
-    JSM_VARIANTS_TIMEOUT=150 JSM_VARIANTS_ARGS="--tokens 1024,4096 --iters 5" \
+    JSM_PROFILE_TIMEOUT=240 bash bench/device_cuda.sh profile
+    JSM_VARIANTS_TIMEOUT=200 JSM_VARIANTS_ARGS="--tokens 1024,4096 --iters 5" \
       bash bench/device_cuda.sh variants
-    JSM_TEST_TIMEOUT=260 JSM_SUBSET_TIMEOUT=100 bash bench/device_cuda.sh tests
-    ;;
-  B)
-    bash bench/device_multigpu.sh copies
-    JSM_PYTEST_ARGS="" JSM_TEST_TIMEOUT=260 bash bench/device_multigpu.sh tests
-    JSM_BENCH_TIMEOUT=140 JSM_BENCH_SHAPES=dsv3 JSM_BENCH_TOKENS=1024,4096,8192 \
-      JSM_BENCH_ARGS="--iters 10 --warmup 2" bash bench/device_multigpu.sh bench
-    JSM_BENCH_TIMEOUT=80 JSM_BENCH_SHAPES=dsv3 JSM_BENCH_TOKENS=4096 \
-      JSM_BENCH_ARGS="--iters 10 --warmup 2" bash bench/device_multigpu.sh mpibench
     ;;
   C)
-    JSM_BENCH_TIMEOUT=300 JSM_BENCH_SHAPES="dsv3 v4pro" JSM_BENCH_ARGS="--iters 10 --warmup 2" \
+    JSM_TEST_TIMEOUT=260 JSM_SUBSET_TIMEOUT=0 bash bench/device_cuda.sh tests
+    JSM_SANITIZE_TIMEOUT=60 bash bench/device_cuda.sh sanitize
+    JSM_BENCH_TIMEOUT=200 JSM_BENCH_SHAPES="dsv3 v4pro" JSM_BENCH_ARGS="--iters 10 --warmup 2" \
       bash bench/device_cuda.sh bench
-    JSM_SANITIZE_TIMEOUT=90 bash bench/device_cuda.sh sanitize
-    JSM_TEST_FILTER="equals_cpu or xla_engine" JSM_TEST_TIMEOUT=80 JSM_SUBSET_TIMEOUT=0 \
-      bash bench/device_cuda.sh tests
+    ;;
+  D)
+    JSM_PYTEST_ARGS="" JSM_TEST_TIMEOUT=520 bash bench/device_multigpu.sh tests
+    ;;
+  E)
+    JSM_BENCH_TIMEOUT=530 JSM_BENCH_ARGS="--iters 20 --warmup 3" bash bench/device_multigpu.sh bench
+    ;;
+  F)
+    JSM_BENCH_TIMEOUT=530 JSM_BENCH_SHAPES="dsv3 v4pro" JSM_BENCH_ARGS="--iters 20 --warmup 3" \
+      bash bench/device_multigpu.sh mpibench
     ;;
   *)
-    echo "usage: bash bench/device_plan.sh A|B|C" >&2
+    echo "usage: bash bench/device_plan.sh A|C|D|E|F" >&2
     exit 2
     ;;
 esac
