@@ -40,6 +40,10 @@ constexpr int64_t kMaxSegments = 4096;  // R * EL: the sm kernel keeps its segme
 
 struct CeStats {  // written by the rank's calls, read by host_stats() from another thread
   std::atomic<uint64_t> calls{0}, plan_ns{0}, enqueue_ns{0};
+  // row copies enqueued, those enqueued one at a time because cudaMemcpyBatchAsync refused the
+  // batch, and its last refusal (a cudaError_t; 0: none)
+  std::atomic<uint64_t> copies{0}, single_copies{0};
+  std::atomic<int> batch_error{0};
 };
 
 struct LocalRank {
@@ -172,8 +176,9 @@ struct CopyBatch {
 };
 
 // The batch on the copy engines, in stream order.
-std::string put(CopyBatch& b, cudaStream_t st) {
+std::string put(CopyBatch& b, cudaStream_t st, CeStats& stats) {
   if (b.dst.empty()) return "";
+  stats.copies += b.dst.size();
   cudaMemcpyAttributes attr{};
   attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
   attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
@@ -189,6 +194,8 @@ std::string put(CopyBatch& b, cudaStream_t st) {
 #endif
   if (e != cudaSuccess) {  // older drivers: one copy at a time
     cudaGetLastError();
+    stats.batch_error = int(e);
+    stats.single_copies += b.dst.size();
     for (size_t i = 0; i < b.dst.size(); ++i)
       JSM_CUDA_TRY("dispatch ce copy",
                    cudaMemcpyAsync(b.dst[i], b.src[i], b.bytes[i], cudaMemcpyDefault, st));
@@ -309,7 +316,7 @@ std::string ce_rows(cudaStream_t stream, const WindowSet& w, LocalRank& me, cons
                   size_t(keep) * sizeof(cuda::RowHeader));
         flags.push_back(at<uint32_t>(dst, L.seg_flag[p]) + e * R + rank);
       }
-      err = put(batch, stream);
+      err = put(batch, stream, *me.stats);
       if (err.empty()) err = write_flags(stream, flags, epoch);
       if (!err.empty()) return err;
     }
@@ -460,7 +467,11 @@ std::vector<HostStats> host_stats(int64_t id) {
   if (!w) return out;
   for (auto& l : w->local)
     out.push_back(HostStats{l.rank, l.stats->calls.load(), l.stats->plan_ns.load() * 1e-3,
-                            l.stats->enqueue_ns.load() * 1e-3});
+                            l.stats->enqueue_ns.load() * 1e-3, l.stats->copies.load(),
+                            l.stats->single_copies.load(),
+                            l.stats->batch_error ? cudaGetErrorName(cudaError_t(
+                                                       l.stats->batch_error.load()))
+                                                 : ""});
   return out;
 }
 

@@ -77,7 +77,8 @@ PYBIND11_MODULE(_jsm_ffi, m) {
   m.def("ep_host_stats", [](int64_t id) {
     py::list out;
     for (const auto& h : jsm::ep::host_stats(id))
-      out.append(py::make_tuple(h.rank, h.calls, h.plan_us, h.enqueue_us));
+      out.append(py::make_tuple(h.rank, h.calls, h.plan_us, h.enqueue_us, h.copies,
+                                h.single_copies, h.batch_error));
     return out;
   });
   m.attr("EP_ENGINES") = py::dict(py::arg("ce") = int(jsm::ep::kCopyEngine),

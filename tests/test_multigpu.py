@@ -187,6 +187,8 @@ class MultiGpuStage1Test(parameterized.TestCase):
           self.assertEqual(st["calls"], 200, f"rank {rank}")
           self.assertGreater(st["plan_us"], 0)
           self.assertGreater(st["enqueue_us"], 0)
+          self.assertGreaterEqual(st["copies"], 200, f"rank {rank}: every call copies rows")
+          self.assertLessEqual(st["single_copies"], st["copies"])
 
   @parameterized.parameters("ce", "sm")
   def test_delayed_rank(self, engine):
