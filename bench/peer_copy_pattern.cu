@@ -7,8 +7,8 @@
 //   flags   batch in chunks of 48 copies, each chunk followed by a cuStreamWriteValue32 (ce today)
 //   sm/B/U  a copy kernel of B blocks x 512 threads, U 16-byte loads in flight per thread before
 //           their stores (engine sm: B = 24; U = 1 before this session's change, 4 after)
-// Per line: GB/s per direction (max of the two directions' event times) and microseconds per
-// segment beyond the wire time at the best rate measured.
+// Per line: GB/s per direction (max of the two directions' event times) and the host's time to
+// enqueue one direction's work (the FFI's ce engine pays it on XLA's thread every call).
 //   nvcc -O3 -std=c++17 -arch=sm_90a -I. -o /tmp/peer bench/peer_copy_pattern.cu && /tmp/peer
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -18,6 +18,7 @@
 #include "kernels/cuda/ep_dispatch.cuh"  // block_copy: engine sm's copy loop
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -120,19 +121,27 @@ void issue(Side& s, const Segments& g, Mode mode, int blocks, int unroll, uint32
   }
 }
 
-// Median over reps of the slower direction's time, in ms.
-double measure(Side (&sides)[2], const Segments& g, Mode mode, int blocks, int unroll) {
+struct Timing {
+  double ms, host_ms;  // device time (slower direction) and host time to enqueue one side's work
+};
+
+// Medians over reps of the slower direction's device time and of the host's enqueue time, in ms.
+Timing measure(Side (&sides)[2], const Segments& g, Mode mode, int blocks, int unroll) {
   for (Side& s : sides) {
     CHECK(cudaSetDevice(s.dev));
     CHECK(cudaMemcpy(s.d_offset, g.offset.data(), g.offset.size() * 8, cudaMemcpyHostToDevice));
     CHECK(cudaMemcpy(s.d_bytes, g.bytes.data(), g.bytes.size() * 8, cudaMemcpyHostToDevice));
   }
-  std::vector<double> ms;
+  std::vector<double> ms, host_ms;
   for (int rep = 0; rep < 12; ++rep) {
+    double host = 0;
     for (Side& s : sides) {
       CHECK(cudaSetDevice(s.dev));
       CHECK(cudaEventRecord(s.start, s.st));
+      const auto t0 = std::chrono::steady_clock::now();
       issue(s, g, mode, blocks, unroll, uint32_t(rep + 1));
+      host = std::max(host, std::chrono::duration<double, std::milli>(
+                                std::chrono::steady_clock::now() - t0).count());
       CHECK(cudaEventRecord(s.stop, s.st));
     }
     double worst = 0;
@@ -143,10 +152,11 @@ double measure(Side (&sides)[2], const Segments& g, Mode mode, int blocks, int u
       CHECK(cudaEventElapsedTime(&t, s.start, s.stop));
       worst = std::max(worst, double(t));
     }
-    if (rep >= 2) ms.push_back(worst);  // two warm-up repetitions
+    if (rep >= 2) ms.push_back(worst), host_ms.push_back(host);  // two warm-up repetitions
   }
   std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+  std::sort(host_ms.begin(), host_ms.end());
+  return {ms[ms.size() / 2], host_ms[host_ms.size() / 2]};
 }
 
 int main() {
@@ -179,7 +189,7 @@ int main() {
     CHECK(cudaMalloc(&s.d_offset, 1024 * 8));
     CHECK(cudaMalloc(&s.d_bytes, 1024 * 8));
   }
-  std::printf("%-12s %6s %10s %9s %9s\n", "how", "N", "seg KB", "ms", "GB/s");
+  std::printf("%-12s %6s %10s %9s %9s %9s\n", "how", "N", "seg KB", "ms", "GB/s", "host ms");
   struct Row {
     const char* name;
     Mode mode;
@@ -193,10 +203,11 @@ int main() {
   for (const Row& r : rows) {
     for (int n : {768, 256, 48, 6}) {
       const Segments g = cut(n);
-      const double ms = measure(sides, g, r.mode, r.blocks, r.unroll);
-      const double gbps = kTotal / (ms * 1e6);
+      const Timing t = measure(sides, g, r.mode, r.blocks, r.unroll);
+      const double gbps = kTotal / (t.ms * 1e6);
       best_gbps = std::max(best_gbps, gbps);
-      std::printf("%-12s %6d %10.0f %9.3f %9.1f\n", r.name, n, kTotal / 1024.0 / n, ms, gbps);
+      std::printf("%-12s %6d %10.0f %9.3f %9.1f %9.3f\n", r.name, n, kTotal / 1024.0 / n, t.ms,
+                  gbps, t.host_ms);
     }
   }
   std::printf("best %.1f GB/s per direction; a line's overhead per segment = (ms - %.3f) / N\n",
