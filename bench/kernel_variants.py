@@ -30,7 +30,7 @@ def main():
   p = argparse.ArgumentParser()
   p.add_argument("--shapes", default="dsv3")
   p.add_argument("--tokens", default="128,4096,8192")
-  p.add_argument("--gemm1", default="ws,wgmma,ws-nopromote,ws-nomma,ws-noload,ws-noscale",
+  p.add_argument("--gemm1", default="ws,ws-ksplit,wgmma,ws-nopromote,ws-nomma,ws-noload,ws-noscale",
                  help="JSM_GEMM1 values; the first is the reference for the others' values; "
                       "'ws-no*' are timing ablations (a part left out: wrong results, not checked)")
   p.add_argument("--route", default="warp,blocks")

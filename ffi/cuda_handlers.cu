@@ -271,9 +271,9 @@ ffi::Error launch_gemm1(jsm::cuda::Gemm1Args g, int grid, cudaStream_t stream) {
   const char* gemm_env = getenv("JSM_GEMM1");  // read per call: benchmarks switch it in-process
   const std::string gemm_choice = gemm_env ? gemm_env : "";
   // JSM_GEMM1 picks a kernel for comparisons (bench/kernel_variants.py): ws (the default where
-  // H % 128 == 0: measured fastest, docs/PERF.md),
-  // ws-nopromote / -nomma / -noload / -noscale (its timing ablations: wrong results), wgmma, or
-  // v2 (mma.sync, any H % 32 == 0)
+  // H % 128 == 0: measured fastest, docs/PERF.md), ws-ksplit (tiles of <= 64 rows split their
+  // K stages between the two consumer warpgroups), ws-nopromote / -nomma / -noload / -noscale
+  // (its timing ablations: wrong results), wgmma, or v2 (mma.sync, any H % 32 == 0)
   if ((gemm_choice.empty() || gemm_choice.rfind("ws", 0) == 0) && g.H % 128 == 0) {
     namespace ws = jsm::cuda::gemm1_ws;
     CUtensorMap map_a0, map_a1, map_b;
@@ -288,9 +288,11 @@ ffi::Error launch_gemm1(jsm::cuda::Gemm1Args g, int grid, cudaStream_t stream) {
                   : gemm_choice == "ws-nomma"   ? ws::gemm1_ws_kernel<ws::kNoMma>
                   : gemm_choice == "ws-noload"  ? ws::gemm1_ws_kernel<ws::kNoLoad>
                   : gemm_choice == "ws-noscale" ? ws::gemm1_ws_kernel<ws::kNoScale>
+                  : gemm_choice == "ws-ksplit"  ? ws::gemm1_ws_kernel<ws::kFull, true>
                                                 : ws::gemm1_ws_kernel<ws::kFull>;
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ws::kSmemBytes);
-    kernel<<<grid, ws::THREADS, ws::kSmemBytes, stream>>>(g, map_a0, map_a1, map_b);
+    const int smem = ws::smem_bytes(gemm_choice == "ws-ksplit");
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    kernel<<<grid, ws::THREADS, smem, stream>>>(g, map_a0, map_a1, map_b);
   } else if (gemm_choice.rfind("wgmma", 0) == 0) {
     // JSM_GEMM1=wgmma (or wgmma5: 5 stages): one warpgroup role, CTA-wide barriers per stage
     g.scales_aligned = scales_aligned(g, v3::KB);

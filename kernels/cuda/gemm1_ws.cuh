@@ -40,6 +40,14 @@ struct Shared {
   uint64_t full[STAGES], empty[STAGES];
 };
 constexpr int kSmemBytes = int(sizeof(Shared)) + 1024;
+// JSM_GEMM1=ws-ksplit: a tile of <= 64 rows (small experts, the last tile of an expert) has both
+// consumer warpgroups on the same 64 rows, each on every other K stage, instead of one on the rows
+// and one idle; the second hands its accumulators to the first through this scratch, half of
+// them at a time (32 floats per thread), after the tile's last stage.
+constexpr int kScratchBytes = 32 * 128 * 4;
+constexpr int smem_bytes(bool k_split) { return kSmemBytes + (k_split ? kScratchBytes : 0); }
+static_assert(smem_bytes(true) + int(sizeof(int32_t)) * (kMaxExperts + 1) <= 227 * 1024,
+              "shared memory of one CTA (dynamic + the scheduler's static prefix)");
 static_assert(LAG < STAGES && 4 < STAGES,
               "the producer converts a stage before it needs that buffer again");
 
@@ -80,6 +88,9 @@ __device__ __forceinline__ void producer_barrier() {  // the 128 producer thread
 __device__ __forceinline__ void consumer_barrier(int cw) {  // one consumer warpgroup
   asm volatile("bar.sync %0, 128;" ::"r"(2 + cw) : "memory");
 }
+__device__ __forceinline__ void consumers_barrier() {  // both consumer warpgroups
+  asm volatile("bar.sync 4, 256;" ::: "memory");
+}
 
 // Timing ablations (JSM_GEMM1=ws-nopromote|-nomma|-noload|-noscale; wrong results, never checked):
 // what each part of the pipeline costs, by leaving it out (bench/kernel_variants.py).
@@ -94,7 +105,8 @@ enum Ablation : int {
 // map_a: landed rows [m_cap, H] bytes, box kABoxRows rows x 128 B (fused: one map per slot
 // parity, else map_a1 is unused); map_b: w1 [EL * 2I, H], box 64 rows. A rows of the tile past
 // its valid ones (rounded up to a box) keep stale data: they are never stored.
-template <int kAblation = kFull>
+// kKSplit: tiles of <= 64 rows split their K stages between the two consumer warpgroups.
+template <int kAblation = kFull, bool kKSplit = false>
 __global__ void __launch_bounds__(THREADS, 1)
     gemm1_ws_kernel(const Gemm1Args g_in, const __grid_constant__ CUtensorMap map_a0,
                     const __grid_constant__ CUtensorMap map_a1,
@@ -168,25 +180,50 @@ __global__ void __launch_bounds__(THREADS, 1)
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
   const int cw = wg - 1, warp = tid / 32, lane = tid % 32;
   const int grp = lane >> 2, tig = lane & 3;
-  const int row0 = cw * 64 + warp * 16 + grp;  // this thread's rows: row0, row0 + 8
+  float* scratch = reinterpret_cast<float*>(&sh + 1);  // kKSplit only (see smem_bytes)
   uint32_t consumed = 0;
   for (int w = blockIdx.x; w < total; w += gridDim.x) {
     const Tile t = sched.tile(g, w);
-    const bool wg_active = cw * 64 < t.rows;
-    const bool warp_active = cw * 64 + warp * 16 < t.rows;
+    // split: both warpgroups on rows 0-63, warpgroup cw on the K stages ks % 2 == cw
+    const bool split = kKSplit && t.rows <= 64;
+    const int rows_at = split ? 0 : cw * 64;   // this warpgroup's first tile row
+    const int row0 = rows_at + warp * 16 + grp;  // this thread's rows: row0, row0 + 8
+    const bool wg_active = rows_at < t.rows;
+    const bool warp_active = rows_at + warp * 16 < t.rows;
     float acc[64], da[64], db[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
     for (int ks = 0; ks < num_k; ++ks, ++consumed) {
       const int b = int(consumed % STAGES);
+      // also for a stage this warpgroup skips: arriving on `empty` only after `full` keeps each
+      // warpgroup's arrivals in the barrier's current phase
       mbar_wait(&sh.full[b], (consumed / STAGES) & 1);
-      if (wg_active && kAblation != kNoMma)
-        gemm1_v3::mma_stage<kAblation != kNoPromote>(acc, da, db, sh.tiles[b].a + cw * 64 * KBYTES, sh.tiles[b].b,
-                            sh.scales[b], row0, tig, warp_active);
+      if (wg_active && kAblation != kNoMma && (!split || (ks & 1) == cw))
+        gemm1_v3::mma_stage<kAblation != kNoPromote>(acc, da, db,
+                                                      sh.tiles[b].a + rows_at * KBYTES,
+                                                      sh.tiles[b].b, sh.scales[b], row0, tig,
+                                                      warp_active);
       consumer_barrier(cw);  // every thread of the warpgroup is done with buffer b
       if (tid == 0) mbar_arrive(&sh.empty[b]);
     }
-    gemm1_v3::epilogue(g, t, acc, row0, tig);
+    if (split) {  // warpgroup 1's sums into warpgroup 0's (same fragment layout), in two halves
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        if (cw == 1) {
+#pragma unroll
+          for (int i = 0; i < 32; ++i) scratch[i * 128 + tid] = acc[half * 32 + i];
+        }
+        consumers_barrier();
+        if (cw == 0) {
+#pragma unroll
+          for (int i = 0; i < 32; ++i) acc[half * 32 + i] += scratch[i * 128 + tid];
+        }
+        consumers_barrier();  // the scratch is free again
+      }
+      if (cw == 0) gemm1_v3::epilogue(g, t, acc, row0, tig);
+    } else {
+      gemm1_v3::epilogue(g, t, acc, row0, tig);
+    }
   }
 }
 
