@@ -14,7 +14,8 @@ import numpy as np  # noqa: E402
 import jax_sdma_moe as jsm  # noqa: E402
 
 seed = int(sys.argv[4])
-R, T = 2, 64
+R = int(os.environ.get("JSM_TEST_RANKS", "0")) or len(jax.devices("gpu"))  # as test_multigpu
+T = 64
 r = np.random.default_rng(seed)
 s = jsm.SHAPES["small"]
 mesh = jax.sharding.Mesh(np.array(jax.devices("gpu")[:R]), ("ep",))

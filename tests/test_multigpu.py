@@ -1,6 +1,7 @@
-"""Stage1 across GPUs (engines ce, sm and xla), one process holding two GPUs, and two processes
-with one GPU each (the `mpirun -n 2` launch mode, started here through jax.distributed flags).
-Skipped without two CUDA GPUs; JSM_REQUIRE_CUDA=1 turns that skip into a failure (device runs)."""
+"""Stage1 across GPUs (engines ce, sm and xla), one process holding R GPUs, and R processes with
+one GPU each (the `mpirun -n R` launch mode, started here through jax.distributed flags). R is
+every visible GPU (EP2 on two, EP4 / EP8 on four / eight), or JSM_TEST_RANKS. Skipped without two
+CUDA GPUs; JSM_REQUIRE_CUDA=1 turns that skip into a failure (device runs)."""
 import os
 
 import _util
@@ -24,7 +25,9 @@ WHY = None if ENOUGH else "needs two CUDA GPUs and a build with the CUDA kernels
 if not ENOUGH and os.environ.get("JSM_REQUIRE_CUDA") == "1":
   raise RuntimeError(f"JSM_REQUIRE_CUDA=1 but {WHY} ({len(GPUS)} GPUs)")
 
-R = 2
+R = int(os.environ.get("JSM_TEST_RANKS", "0")) or max(2, len(GPUS))
+if ENOUGH and not 2 <= R <= len(GPUS):
+  raise ValueError(f"JSM_TEST_RANKS={R}: needs 2 to {len(GPUS)} (the visible GPUs)")
 ENGINES = ("ce", "sm", "xla")
 LANDED = ("expert_offsets", "expert_counts", "src_rank", "src_token", "topk_slot", "topk_weight",
           "num_rows", "overflow")
