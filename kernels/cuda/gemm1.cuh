@@ -183,6 +183,8 @@ struct Tile {
 // Work items (expert, row tile, column tile) numbered from the device-side expert counts: one
 // launch covers every expert with no host round trip. (Here "start when the expert's rows have
 // landed" will be added for the multi-GPU engines.)
+static_assert(kMaxRanks <= kWarp, "wait_arrival reads one source per lane of a warp");
+
 struct TileScheduler {
   int32_t tile_start[kMaxExperts + 1];
 
@@ -202,22 +204,29 @@ struct TileScheduler {
 
   __device__ __forceinline__ int total(const Gemm1Args& g) const { return tile_start[g.EL]; }
 
-  // Thread 0 waits (bounded) until every source's rows of expert e have landed; the caller's
-  // next __syncthreads releases the block. `ready` caches the last expert seen complete.
+  // Warp 0 waits (bounded) until every source's rows of expert e have landed, lane s reading
+  // source s's signal, so all signals come in one round trip per poll; the caller's next barrier
+  // releases the rest of the block (every thread of warp 0 must call this). `ready` caches the
+  // last expert seen complete.
   static __device__ __forceinline__ void wait_arrival(const Gemm1Args& g, int e, int& ready) {
     if (!g.arrival || e == ready) return;
     ready = e;
-    if (threadIdx.x != 0) return;
+    if (threadIdx.x >= kWarp) return;
+    const int lane = int(threadIdx.x);
+    const bool mine = lane < g.arrival_ranks;  // kMaxRanks <= kWarp: one source per lane
     const uint32_t* flags = g.arrival + int64_t(e) * g.arrival_ranks;
     const uint64_t deadline = globaltimer_ns() + g.timeout_ns;
-    for (int s = 0; s < g.arrival_ranks; ++s) {
-      while (!epoch_reached(ld_acquire_sys(flags + s), g.epoch)) {
-        if (globaltimer_ns() > deadline) {
-          record_wait_error(g.err, 2, uint32_t(s), uint32_t(e), g.epoch);
-          return;  // bounded: the rows are not trusted, the error surfaces at the host
-        }
-        __nanosleep(256);
+    for (;;) {
+      const bool ok = !mine || epoch_reached(ld_acquire_sys(flags + lane), g.epoch);
+      const unsigned missing = __ballot_sync(0xFFFFFFFFu, !ok);
+      if (missing == 0) return;
+      if (__shfl_sync(0xFFFFFFFFu, int(globaltimer_ns() > deadline), 0)) {
+        // bounded: the rows are not trusted, the error surfaces at the host
+        if (lane == __ffs(int(missing)) - 1)
+          record_wait_error(g.err, 2, uint32_t(lane), uint32_t(e), g.epoch);
+        return;
       }
+      __nanosleep(256);
     }
   }
 

@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     };
     for (int w = blockIdx.x; w < total; w += gridDim.x) {
       const Tile t = sched.tile(g, w);
-      TileScheduler::wait_arrival(g, t.e, ready);  // thread 0; the barrier below releases the rest
+      TileScheduler::wait_arrival(g, t.e, ready);  // warp 0; the barrier below releases the rest
       producer_barrier();
       const int b_row = int(int64_t(t.e) * 2 * g.I + t.n0);
       for (int ks = 0; ks < num_k; ++ks, ++issued) {
