@@ -23,7 +23,8 @@ case "${1:-}" in
       bash bench/device_cuda.sh bench
     ;;
   D)
-    JSM_PYTEST_ARGS="" JSM_TEST_TIMEOUT=520 bash bench/device_multigpu.sh tests
+    bash bench/device_multigpu.sh copies  # ~40 s: fewer sm blocks (8, 12) against 24
+    JSM_PYTEST_ARGS="" JSM_TEST_TIMEOUT=480 bash bench/device_multigpu.sh tests
     ;;
   E)
     JSM_BENCH_TIMEOUT=530 JSM_BENCH_ARGS="--iters 20 --warmup 3" bash bench/device_multigpu.sh bench

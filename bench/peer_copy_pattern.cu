@@ -197,6 +197,7 @@ int main() {
   };
   const Row rows[] = {{"batch", kBatch, 0, 0},   {"single", kSingle, 0, 0},
                       {"flags", kFlags, 0, 0},   {"sm/24/U1", kSm, 24, 1},
+                      {"sm/8/U4", kSm, 8, 4},    {"sm/12/U4", kSm, 12, 4},
                       {"sm/24/U4", kSm, 24, 4},  {"sm/64/U4", kSm, 64, 4},
                       {"sm/132/U4", kSm, 132, 4}};
   double best_gbps = 0;
