@@ -213,19 +213,19 @@ struct TileScheduler {
     ready = e;
     if (threadIdx.x >= kWarp) return;
     const int lane = int(threadIdx.x);
-    // a wait of this call already ran out (any CTA, or the dispatch): the call is failed and its
-    // rows are not trusted, so don't wait again (else every expert of every CTA would wait out
-    // its own timeout)
-    if (__shfl_sync(0xFFFFFFFFu, lane == 0 && static_cast<volatile EpError*>(g.err)->code != 0,
-                    0))
-      return;
     const bool mine = lane < g.arrival_ranks;  // kMaxRanks <= kWarp: one source per lane
     const uint32_t* flags = g.arrival + int64_t(e) * g.arrival_ranks;
     const uint64_t deadline = globaltimer_ns() + g.timeout_ns;
-    for (;;) {
+    for (bool first = true;; first = false) {
       const bool ok = !mine || epoch_reached(ld_acquire_sys(flags + lane), g.epoch);
       const unsigned missing = __ballot_sync(0xFFFFFFFFu, !ok);
       if (missing == 0) return;
+      // not there yet: if a wait of this call already ran out (any CTA, or the dispatch), the
+      // call is failed and its rows are not trusted, so don't wait (else every expert of every
+      // CTA would wait out its own timeout). Read only here: the error word is host memory.
+      if (first && __shfl_sync(0xFFFFFFFFu, lane == 0 && static_cast<volatile EpError*>(
+                                                             g.err)->code != 0, 0))
+        return;
       if (__shfl_sync(0xFFFFFFFFu, int(globaltimer_ns() > deadline), 0)) {
         // bounded: the rows are not trusted, the error surfaces at the host
         if (lane == __ffs(int(missing)) - 1)
