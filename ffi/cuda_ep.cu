@@ -23,7 +23,7 @@
 #include <thread>
 
 #include "cuda_launch.h"
-#include "kernels/cpu/stage.h"  // landing_layout: the host's §4 offsets
+#include "kernels/cpu/stage.h"  // segment_puts: the host's §4 offsets
 #include "kernels/cuda/ep_dispatch.cuh"
 
 namespace jsm {
@@ -265,37 +265,22 @@ std::string ce_plan(cudaStream_t st, const WindowSet& w, LocalRank& me, const cu
   return "";
 }
 
-// Engine ce, step 3: the rows and their headers (made by dispatch() before the fork), from the plan
-// ce_plan read, to the destinations `peers` selects: this rank's own segments (peers = false) on
-// XLA's stream before the fused GEMM's launch, the peers' (peers = true) on the side stream after
-// it. A copy within one GPU may run as a driver kernel, which a persistent GEMM holding every SM
-// (and waiting for these very rows) would never let start (measured: dsv3 hung until the timeout).
+// Engine ce, step 3: the rows and their headers (made by dispatch() before the fork), put where
+// `puts` says (segment_puts of the plan ce_plan read), to the destinations `peers` selects: this
+// rank's own segments (peers = false) on XLA's stream before the fused GEMM's launch, the peers'
+// (peers = true) on the side stream after it. A copy within one GPU may run as a driver kernel,
+// which a persistent GEMM holding every SM (and waiting for these very rows) would never let
+// start (measured: dsv3 hung until the timeout).
 std::string ce_rows(cudaStream_t stream, const WindowSet& w, LocalRank& me, const cuda::EpArgs& a,
-                    uint32_t epoch, bool peers) {
+                    uint32_t epoch, const std::vector<SegmentPut>& puts, bool peers) {
   const int64_t R = w.g.R, EL = w.g.EL, H = w.g.H, HS = H / kBlock;
   const int p = int(epoch & 1), rank = me.rank;
   const EpWindowLayout& L = w.L;
   const cuda::RowHeader* headers = at<cuda::RowHeader>(me.own, L.send_headers);
   const auto started = std::chrono::steady_clock::now();
   std::vector<uint32_t*> flags;
-  std::string err;
-  const int32_t* plan = me.h_plan;  // plan[(s * R + d) * EL + e]
-  const int32_t* mine = plan + rank * R * EL;
-  // 3. segments in chunks of experts, each chunk to every destination (peers first) then its
-  // signals: every rank's fused GEMM can start on its first experts while later ones move
-  std::vector<int64_t> start(static_cast<size_t>(R * EL));
-  int64_t run = 0;
-  for (int64_t i = 0; i < R * EL; ++i) start[size_t(i)] = run, run += mine[i];
-  std::vector<int32_t> total(static_cast<size_t>(EL)), offsets(static_cast<size_t>(R * EL)),
-      counts(static_cast<size_t>(R * EL));
-  for (int64_t d = 0; d < R; ++d) {  // the landing layout of every destination
-    for (int64_t e = 0; e < EL; ++e) {
-      total[size_t(e)] = 0;
-      for (int64_t s = 0; s < R; ++s) total[size_t(e)] += plan[(s * R + d) * EL + e];
-    }
-    landing_layout(total.data(), EL, a.row_align, w.g.m_cap, offsets.data() + d * EL,
-                   counts.data() + d * EL);
-  }
+  // segments in chunks of experts, each chunk to every destination then its signals: every
+  // rank's fused GEMM can start on its first experts while later ones move
   CopyBatch batch;
   for (int64_t e0 = 0; e0 < EL; e0 += kFlagChunk) {
     for (int64_t j = peers ? 1 : R; j <= (peers ? R - 1 : R); ++j) {
@@ -303,20 +288,16 @@ std::string ce_rows(cudaStream_t stream, const WindowSet& w, LocalRank& me, cons
       uint8_t* dst = me.peers.base[d];
       flags.clear();
       for (int64_t e = e0; e < std::min<int64_t>(EL, e0 + kFlagChunk); ++e) {
-        const int64_t de = d * EL + e;
-        int64_t base = offsets[size_t(de)];
-        for (int64_t s = 0; s < rank; ++s) base += plan[(s * R + d) * EL + e];
-        const int64_t room = int64_t(offsets[size_t(de)]) + counts[size_t(de)] - base;
-        const int64_t keep = std::max<int64_t>(0, std::min<int64_t>(mine[de], room));
-        const int64_t from = start[size_t(de)];
-        batch.add(at<uint8_t>(dst, L.values[p]) + base * H, a.values + from * H, size_t(keep * H));
-        batch.add(at<uint8_t>(dst, L.scales[p]) + base * HS, a.scales + from * HS,
-                  size_t(keep * HS));
-        batch.add(at<cuda::RowHeader>(dst, L.headers[p]) + base, headers + from,
-                  size_t(keep) * sizeof(cuda::RowHeader));
+        const SegmentPut& q = puts[size_t(d * EL + e)];
+        batch.add(at<uint8_t>(dst, L.values[p]) + q.base * H, a.values + q.from * H,
+                  size_t(q.keep * H));
+        batch.add(at<uint8_t>(dst, L.scales[p]) + q.base * HS, a.scales + q.from * HS,
+                  size_t(q.keep * HS));
+        batch.add(at<cuda::RowHeader>(dst, L.headers[p]) + q.base, headers + q.from,
+                  size_t(q.keep) * sizeof(cuda::RowHeader));
         flags.push_back(at<uint32_t>(dst, L.seg_flag[p]) + e * R + rank);
       }
-      err = put(batch, stream, *me.stats);
+      std::string err = put(batch, stream, *me.stats);
       if (err.empty()) err = write_flags(stream, flags, epoch);
       if (!err.empty()) return err;
     }
@@ -508,6 +489,7 @@ std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendVi
   a.token = send.token, a.slot = send.slot, a.weight = send.weight;
   const bool absent = opt.fault_absent_rank == me->rank;
   int busy_sms = 0;  // SMs the fused GEMM leaves to the dispatch
+  std::vector<SegmentPut> puts;  // engine ce: where this rank's segments land
   if (!absent) {
     if (opt.fault_delay_rank == me->rank)
       std::this_thread::sleep_for(std::chrono::milliseconds(opt.fault_delay_ms));
@@ -536,7 +518,10 @@ std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendVi
       JSM_CUDA_TRY("dispatch sm", cudaGetLastError());
     } else {
       err = ce_plan(st, *w, *me, a, epoch, opt);
-      if (err.empty()) err = ce_rows(st, *w, *me, a, epoch, /*peers=*/false);
+      if (err.empty()) {
+        puts = segment_puts(me->h_plan, w->g.R, w->g.EL, me->rank, a.row_align, w->g.m_cap);
+        err = ce_rows(st, *w, *me, a, epoch, puts, /*peers=*/false);
+      }
       if (!err.empty()) return err;
       busy_sms = 1;  // left to the driver (a peer copy's kernel, if it uses one), not the GEMM
     }
@@ -558,7 +543,7 @@ std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendVi
     if (!err.empty()) return err;
   }
   if (w->engine == kCopyEngine && !absent) {
-    err = ce_rows(me->side, *w, *me, a, me->epoch, /*peers=*/true);
+    err = ce_rows(me->side, *w, *me, a, me->epoch, puts, /*peers=*/true);
     if (!err.empty()) return err;
   }
   // a few blocks per SM (grid-stride): each block first waits for every signal

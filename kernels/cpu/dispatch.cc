@@ -179,30 +179,19 @@ std::string dispatch_cpu(int64_t runtime_id, int64_t rank, const DispatchGeometr
   const int32_t* plan = me.plan.data();  // plan[(s * R + d) * EL + e]
 
   // 3. put each segment at its §4 offset, destinations starting after this rank
-  std::vector<int32_t> total(static_cast<size_t>(EL)), offsets(static_cast<size_t>(EL)), counts(static_cast<size_t>(EL));
-  int64_t send_row = 0;
-  std::vector<int64_t> seg_start(static_cast<size_t>(R * EL));
-  for (int64_t i = 0; i < R * EL; ++i) seg_start[i] = send_row, send_row += send.counts[i];
+  const std::vector<SegmentPut> puts = segment_puts(plan, R, EL, rank, opt.row_align, g.m_cap);
   for (int64_t j = 0; j < R; ++j) {
     const int64_t d = (rank + j) % R;
-    for (int64_t e = 0; e < EL; ++e) {
-      total[e] = 0;
-      for (int64_t s = 0; s < R; ++s) total[e] += plan[(s * R + d) * EL + e];
-    }
-    landing_layout(total.data(), EL, opt.row_align, g.m_cap, offsets.data(), counts.data());
     Slot& sd = W[d]->slots[parity];
     for (int64_t e = 0; e < EL; ++e) {
-      int64_t base = offsets[e];
-      for (int64_t s = 0; s < rank; ++s) base += plan[(s * R + d) * EL + e];
-      const int64_t n = send.counts[d * EL + e];
-      const int64_t keep = std::max<int64_t>(0, std::min<int64_t>(n, offsets[e] + counts[e] - base));
-      const int64_t from = seg_start[d * EL + e];
-      std::memcpy(sd.values.data() + base * g.H, send.values + from * g.H, size_t(keep * g.H));
-      std::memcpy(sd.scales.data() + base * HS, send.scales + from * HS, size_t(keep * HS));
-      std::fill_n(sd.src_rank.data() + base, keep, int32_t(rank));
-      std::copy_n(send.token + from, keep, sd.token.data() + base);
-      std::copy_n(send.slot + from, keep, sd.slot.data() + base);
-      std::copy_n(send.weight + from, keep, sd.weight.data() + base);
+      const SegmentPut& q = puts[size_t(d * EL + e)];
+      std::memcpy(sd.values.data() + q.base * g.H, send.values + q.from * g.H,
+                  size_t(q.keep * g.H));
+      std::memcpy(sd.scales.data() + q.base * HS, send.scales + q.from * HS, size_t(q.keep * HS));
+      std::fill_n(sd.src_rank.data() + q.base, q.keep, int32_t(rank));
+      std::copy_n(send.token + q.from, q.keep, sd.token.data() + q.base);
+      std::copy_n(send.slot + q.from, q.keep, sd.slot.data() + q.base);
+      std::copy_n(send.weight + q.from, q.keep, sd.weight.data() + q.base);
       sd.seg_flag[rank * EL + e].store(epoch, std::memory_order_release);
     }
   }
@@ -214,6 +203,7 @@ std::string dispatch_cpu(int64_t runtime_id, int64_t rank, const DispatchGeometr
               deadline))
         return timeout_message(rank, s, "its rows of local expert " + std::to_string(e), epoch,
                                opt.timeout_s);
+  std::vector<int32_t> total(static_cast<size_t>(EL));
   for (int64_t e = 0; e < EL; ++e) {
     total[e] = 0;
     for (int64_t s = 0; s < R; ++s) total[e] += plan[(s * R + rank) * EL + e];
