@@ -4,11 +4,12 @@
 // The plan (each source's counts) goes to every destination by a peer copy followed by a
 // stream-ordered flag write (cuStreamBatchMemOp); the host then waits, bounded, for every source's
 // plan (one host synchronisation per call, like DeepEP's normal mode), computes every segment's
-// landing offset, and enqueues the rows as batched peer copies (cudaMemcpyBatchAsync), each chunk
-// of experts followed by the write of its signals at the destination. No SM touches a row in flight.
+// landing offset, and enqueues the rows as batched copies (cudaMemcpyBatchAsync), each chunk of
+// experts followed by the write of its signals at the destination: its own rows on XLA's stream
+// before the fused GEMM, the peers' on a side stream after it. No SM touches a row in flight.
 // Engine `sm`: one kernel puts the plan, waits for the peers' plans and stores the rows itself
 // (kernels/cuda/ep_dispatch.cuh); no host synchronisation.
-// Both then run ep_readout_kernel, which waits (bounded) for every signal of this rank's slot.
+// Both then run ep_rows_kernel, which waits (bounded) for every signal of this rank's slot.
 #include "cuda_ep.h"
 
 #include <cuda.h>  // CUstreamBatchMemOpParams (the function itself comes from the runtime)

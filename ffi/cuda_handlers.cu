@@ -317,9 +317,9 @@ ffi::Error launch_gemm1(jsm::cuda::Gemm1Args g, int grid, cudaStream_t stream) {
   return last_error("gemm1");
 }
 
-// The GEMM's weights, epilogue and h outputs (rets[first], and rets[first + 1] for MX-fp8 scales).
+// The GEMM's weights, epilogue and h outputs (rets[0], and rets[1] for MX-fp8 scales).
 ffi::Error gemm1_args(ffi::AnyBuffer w_values, ffi::AnyBuffer w_scales, int64_t H, int64_t m_cap,
-                      bool has_limit, float swiglu_limit, ffi::RemainingRets& rets, size_t first,
+                      bool has_limit, float swiglu_limit, ffi::RemainingRets& rets,
                       jsm::cuda::Gemm1Args* g) {
   JSM_RETURN_IF_ERROR(check_dtype(w_values, ffi::DataType::F8E4M3FN, "gemm1 weights"));
   const auto wd = w_values.dimensions();
@@ -333,13 +333,13 @@ ffi::Error gemm1_args(ffi::AnyBuffer w_values, ffi::AnyBuffer w_scales, int64_t 
   g->limit = swiglu_limit;
   if (g->EL > jsm::cuda::gemm1_v1::kMaxExperts)
     return ffi::Error::InvalidArgument("jax_sdma_moe gemm1 (CUDA): more than 1024 local experts");
-  auto h = rets.get<ffi::AnyBuffer>(first);
+  auto h = rets.get<ffi::AnyBuffer>(0);
   if (!h.has_value()) return h.error();
-  if (rets.size() == first + 1) {
+  if (rets.size() == 1) {
     JSM_RETURN_IF_ERROR(check_dtype(**h, ffi::DataType::BF16, "gemm1 output"));
     g->h_bf16 = static_cast<uint16_t*>((*h)->untyped_data());
   } else {
-    auto sc = rets.get<ffi::AnyBuffer>(first + 1);
+    auto sc = rets.get<ffi::AnyBuffer>(1);
     if (!sc.has_value()) return sc.error();
     g->h_values = static_cast<uint8_t*>((*h)->untyped_data());
     g->h_scales = static_cast<uint8_t*>((*sc)->untyped_data());
@@ -358,7 +358,7 @@ ffi::Error Gemm1Impl(cudaStream_t stream, ffi::AnyBuffer a_values, ffi::AnyBuffe
   g.offsets = expert_offsets.typed_data();
   g.counts = expert_counts.typed_data();
   JSM_RETURN_IF_ERROR(gemm1_args(w_values, w_scales, last_dim(a_values), rows_of(a_values),
-                                 has_limit, swiglu_limit, rets, 0, &g));
+                                 has_limit, swiglu_limit, rets, &g));
   return launch_gemm1(g, num_sms(), stream);
 }
 
@@ -398,7 +398,7 @@ ffi::Error DispatchGemm1Impl(cudaStream_t stream, ffi::AnyBuffer values, ffi::An
   g.offsets = expert_offsets->typed_data();
   g.counts = expert_counts->typed_data();
   JSM_RETURN_IF_ERROR(
-      gemm1_args(w_values, w_scales, H, cap, has_limit, swiglu_limit, rets, 0, &g));
+      gemm1_args(w_values, w_scales, H, cap, has_limit, swiglu_limit, rets, &g));
   const jsm::cuda::EpGeometry geo{send_counts.dimensions()[0], send_counts.dimensions()[1], H, cap,
                                   rows_of(values)};
   const jsm::SendView send{ptr<uint8_t>(values), ptr<uint8_t>(scales), token.typed_data(),
