@@ -1198,8 +1198,9 @@ def format_single_device_table(rows: Sequence[dict], ceilings: dict, skipped: se
     einsum_ms, drop = native(shape, T, "einsum")
     ragged_ms, _ = native(shape, T, "ragged")
     if "failed" in r:
-      table.append([shape, T, r["path"], f"failed: {r['failed']}"] + [None] * 13
-                   + [einsum_ms, drop, None, ragged_ms])
+      natives = [einsum_ms, drop, None, ragged_ms]  # the last four columns
+      table.append([shape, T, r["path"], f"failed: {r['failed']}"]
+                   + [None] * (len(cols) - 4 - len(natives)) + natives)
       continue
     q, d, g = (r["stages"][s] for s in STAGES)
     frac = r["ceiling_fraction"]

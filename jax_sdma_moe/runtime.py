@@ -61,14 +61,15 @@ class Runtime:
     self.num_ranks = int(mesh.shape[axis_name])
     self.platform = mesh_platform(mesh)
     self.multi_process = any(d.process_index != jax.process_index() for d in mesh.devices.flat)
+    # the window engines need the axis to be the mesh's only axis longer than one
+    only_axis = all(n == 1 for a, n in mesh.shape.items() if a != axis_name)
     if config.engine is not None:
       engine = config.engine
     elif self.platform == "cpu":
       engine = "xla" if self.multi_process else "cpu"
     elif self.num_ranks == 1:
       engine = "local"
-    elif (self.platform == "cuda" and primitives._extension().has_cuda()
-          and all(n == 1 for a, n in mesh.shape.items() if a != axis_name)):
+    elif self.platform == "cuda" and primitives._extension().has_cuda() and only_axis:
       engine = "sm"  # the fastest measured on 2xH200, in both launch modes (docs/PERF.md)
     else:
       engine = "xla"
@@ -95,7 +96,7 @@ class Runtime:
       if self.num_ranks < 2:
         raise ValueError(f"Runtime: engine {engine!r} moves rows between GPUs; axis "
                          f"{axis_name!r} has one rank: use engine 'local'")
-      if any(n != 1 for a, n in mesh.shape.items() if a != axis_name):
+      if not only_axis:
         raise ValueError(f"Runtime: engine {engine!r} needs a mesh whose only axis longer than "
                          f"one is {axis_name!r}, got {dict(mesh.shape)}")
     if self.platform != "cpu" and self.platform not in primitives.registered_platforms():
