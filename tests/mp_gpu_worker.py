@@ -80,8 +80,7 @@ def run(shape_name, T, r, iters=1):
           jax.tree.map(lambda a: a.reshape(R, T, *a.shape[1:]), jsm.quantize(jnp.asarray(x))),
           jnp.asarray(ids).reshape(R, T, K), jnp.asarray(w).reshape(R, T, K), E, 128, cap)
       out = outs["ce"]
-      for name in ("expert_offsets", "expert_counts", "src_rank", "src_token", "topk_slot",
-                   "topk_weight", "num_rows", "overflow"):
+      for name in _util.LANDED_FIELDS:
         np.testing.assert_array_equal(getattr(out, name), np.asarray(getattr(landed, name))[pid],
                                       err_msg=name)
       offs, cnts = out.expert_offsets, out.expert_counts

@@ -133,8 +133,7 @@ class CudaGemm1Test(parameterized.TestCase):
       landed = jax.jit(reference.dispatch, static_argnums=(3, 4, 5))(
           jax.tree.map(lambda a: a[None], jsm.quantize(on(GPU, x))),
           on(GPU, jnp.asarray(ids, jnp.int32))[None], on(GPU, w)[None], E, cfg.row_align, cap)
-      for name in ("expert_offsets", "expert_counts", "src_rank", "src_token", "topk_slot",
-                   "topk_weight", "num_rows", "overflow"):
+      for name in _util.LANDED_FIELDS:
         np.testing.assert_array_equal(np.asarray(getattr(out, name)),
                                       np.asarray(getattr(landed, name))[0], err_msg=name)
       self.check_experts(out, landed, w1q, s.swiglu_limit, out_dtype, r)

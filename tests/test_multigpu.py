@@ -29,8 +29,7 @@ R = int(os.environ.get("JSM_TEST_RANKS", "0")) or max(2, len(GPUS))
 if ENOUGH and not 2 <= R <= len(GPUS):
   raise ValueError(f"JSM_TEST_RANKS={R}: needs 2 to {len(GPUS)} (the visible GPUs)")
 ENGINES = ("ce", "sm", "xla")
-LANDED = ("expert_offsets", "expert_counts", "src_rank", "src_token", "topk_slot", "topk_weight",
-          "num_rows", "overflow")
+LANDED = _util.LANDED_FIELDS
 CASES = [(f"{s}_{routing}_T{T}", s, routing, T) for s in ("small", "dsv3")
          for routing in ("uniform", "skewed", "masked") for T in (1, 128, 4096)]
 
