@@ -11,12 +11,7 @@ grep -A3 "gemm1_ws_kernel" "$OUT/build.log" | grep -E "registers|spill" | head -
 cd /tmp
 for step in "${@:-all}"; do
   if [[ $step == tests || $step == all ]]; then
-    # -v into the log, which comes back even when the device call runs out of time (600 s)
-    timeout ${JSM_TEST_TIMEOUT:-480} python3 -m pytest -v -p no:cacheprovider --durations=8 \
-      "$REPO/tests/test_cuda.py" ${JSM_TEST_FILTER:+-k "$JSM_TEST_FILTER"} > "$OUT/tests.log" 2>&1
-    grep -E "PASSED|FAILED|ERROR|SKIPPED" "$OUT/tests.log" | grep -c PASSED | sed 's/^/passed: /'
-    pkill -9 -f "tests/(mp_gpu_worker|graph_worker|mp_worker)\.py" || true  # a timeout's orphans
-    grep -E "FAILED|ERROR|Error:|assert" "$OUT/tests.log" | head -10; tail -12 "$OUT/tests.log"
+    run_gpu_tests test_cuda.py tests.log
     [[ ${JSM_SUBSET_TIMEOUT:-120} == 0 ]] && continue
     echo "-- engine local with qpack storing rows at their landing rows (JSM_LOCAL_FUSED=1)"
     JSM_LOCAL_FUSED=1 timeout ${JSM_SUBSET_TIMEOUT:-120} python3 -m pytest -q -x \

@@ -18,14 +18,8 @@ for step in "${@:-all}"; do
       && timeout 120 /tmp/peer 2>&1 | tee "$OUT/peer_copy_pattern.txt"
   fi
   if [[ $step == tests || $step == all ]]; then
-    # -v into the log, which comes back even when the device call runs out of time (600 s)
-    timeout ${JSM_TEST_TIMEOUT:-480} python3 -m pytest -v ${JSM_PYTEST_ARGS--x} -p no:cacheprovider --durations=8 \
-      "$REPO/tests/test_multigpu.py" ${JSM_TEST_FILTER:+-k "$JSM_TEST_FILTER"} \
-      > "$OUT/tests-multigpu.log" 2>&1
-    grep -c PASSED "$OUT/tests-multigpu.log" | sed 's/^/passed: /'
-    pkill -9 -f "tests/(mp_gpu_worker|graph_worker|mp_worker)\.py" || true  # a timeout's orphans
-    grep -E "FAILED|ERROR|Error:|assert" "$OUT/tests-multigpu.log" | head -10
-    tail -14 "$OUT/tests-multigpu.log"
+    run_gpu_tests test_multigpu.py tests-multigpu.log ${JSM_PYTEST_ARGS--x}  # default: stop at
+    # the first failure; JSM_PYTEST_ARGS="" runs them all
   fi
   if [[ $step == mpibench ]]; then  # the same under mpirun, one GPU per process (XLA refuses
     # ragged_all_to_all across processes without its NCCL fallback, which lost rows: skipped)
