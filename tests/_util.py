@@ -100,6 +100,22 @@ def h_float(h):
   return np.asarray(h, np.float32)
 
 
+class Asserts:
+  """The TestCase assertions the check_* helpers use, for worker processes outside a TestCase."""
+
+  def assertFalse(self, c, m=None):
+    assert not c, m
+
+  def assertTrue(self, c, m=None):
+    assert c, m
+
+  def assertLessEqual(self, a, b, m=None):
+    assert a <= b, f"{m}: {a} > {b}"
+
+  def assertGreaterEqual(self, a, b, m=None):
+    assert a >= b, f"{m}: {a} < {b}"
+
+
 def check_block(tc, got, ref32, out_dtype, what):
   """DESIGN.md §3 tolerance for one expert block of h, got (as float32) against the float32
   reference. bf16: relative norm <= 4e-3, max <= 1e-2 * max |ref|. mxfp8: the output's error may

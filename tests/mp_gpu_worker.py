@@ -42,11 +42,6 @@ def mine(tree):
   return jax.tree.map(lambda a: np.asarray(a.addressable_shards[0].data)[0], tree)
 
 
-class Tc:  # check_block's assertions, outside a TestCase
-  def assertFalse(self, c, m): assert not c, m
-  def assertLessEqual(self, a, b, m): assert a <= b, f"{m}: {a} > {b}"
-
-
 def run(shape_name, T, r, iters=1):
   s = jsm.SHAPES[shape_name]
   E, K, EL = s.num_experts, s.topk, s.num_experts // R
@@ -91,7 +86,7 @@ def run(shape_name, T, r, iters=1):
       refs = reference.sampled_h32(landed.values[pid:pid + 1], landed.scales[pid:pid + 1], offs,
                                    cnts, picked, w1q, 0, s.swiglu_limit)
       for e, ref in refs.items():
-        _util.check_block(Tc(), got[offs[e]:offs[e] + cnts[e]], ref, "bf16",
+        _util.check_block(_util.Asserts(), got[offs[e]:offs[e] + cnts[e]], ref, "bf16",
                           f"{shape_name} T={T} expert {e}")
   for rt in runtimes.values():
     rt.check()

@@ -1,7 +1,9 @@
 """One process of a multi-process Stage1 run on CPU (jax.distributed + gloo), started by
 test_multiprocess.py: python mp_worker.py PROCESS_ID NUM_PROCESSES PORT SEED. Each process holds one
 rank, runs stage1 with engine xla on the global mesh and checks its own rank against the reference
-of the whole problem (computed locally from the same seed). Exit 0 and 'OK' on success."""
+of the whole problem (computed locally from the same seed): the layout exactly, h within DESIGN.md
+§3 (the reference sums in another order: a bf16 value may round the other way). Exit 0 and 'OK'
+on success."""
 import os
 import sys
 
@@ -19,6 +21,9 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_sdma_moe as jsm  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _util  # noqa: E402
 
 R, T, H, I, E, K = nproc, 24, 128, 64, 4 * nproc, 3
 r = np.random.default_rng(seed)
@@ -55,9 +60,8 @@ f = jax.jit(jax.shard_map(
     mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
 out = f(xs, idss, ws, w1s)
 mine = jax.tree.map(lambda a: np.asarray(a.addressable_shards[0].data)[0], out)
-for name in ("expert_offsets", "expert_counts", "src_rank", "src_token", "topk_slot",
-             "topk_weight", "num_rows", "num_invalid", "overflow"):
+for name in _util.LAYOUT_FIELDS:
   np.testing.assert_array_equal(getattr(mine, name), np.asarray(getattr(ref, name))[pid], name)
-np.testing.assert_array_equal(np.asarray(mine.h).view(np.uint16),
-                              np.asarray(ref.h)[pid].view(np.uint16))
+_util.check_h(_util.Asserts(), mine.h[None], mine.expert_offsets[None], mine.expert_counts[None],
+              np.asarray(h32)[pid:pid + 1], "bf16")
 print(f"OK rank {pid}: {int(mine.num_rows)} rows", flush=True)
