@@ -113,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--platform", default="gpu", choices=("gpu", "cpu"),
                  help="--gpu only: the device to run on (cpu: the same R = 1 code on one CPU "
                       "device, to try the mode without a GPU)")
+  p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                 help="run nothing: one table, JSON and PNG (under --out, named --tag) from "
+                      "earlier runs' JSON files of one mode, e.g. a run cut short by a time limit "
+                      "and the run that measured the rest; a later file's row of the same shape, "
+                      "tokens and path replaces an earlier one")
   mp = p.add_argument_group(
       "multi-process", "one rank per process over jax.distributed, without mpirun (under mpirun "
       "it is detected from Open MPI's environment); give all three, the same --coordinator to "
@@ -1348,7 +1353,41 @@ def start_processes(args, launch: str) -> None:
     jax.distributed.initialize()
 
 
+def merge_reports(args) -> None:
+  """--merge: the rows of several runs' JSON files as one report, each row as it was measured."""
+  runs = [(f, json.loads(Path(f).read_text())) for f in args.merge]
+  modes = {(d["meta"]["args"].get("gpu"), d["meta"]["launch"], d["meta"]["devices"],
+            d["meta"]["device_kind"]) for _, d in runs}
+  if len(modes) > 1:
+    raise SystemExit(f"--merge: the files come from different modes {sorted(map(str, modes))}")
+  rows, dense = {}, {}
+  for _, d in runs:
+    rows.update({(r["shape"], r["tokens"], r["path"]): r for r in d["results"]})
+    dense.update({(r["shape"], r["tokens"]): r for r in d["ceilings"].get("dense_bf16", [])})
+  rows = sorted(rows.values(), key=lambda r: (r["shape"], r["tokens"]))  # stable: path order kept
+  first = runs[0][1]
+  ceilings = {**first["ceilings"], "dense_bf16": list(dense.values())}
+  sources = [f"{Path(f).name} ({d['meta']['date']}, {len(d['results'])} rows, ceilings "
+             f"copy {d['ceilings']['copy_gbps']:.0f} GB/s)" for f, d in runs]
+  notes = list(first["notes"]) + ["merged from " + "; ".join(sources) + "; the ceilings line is "
+                                  "the first file's"]
+  if first["meta"]["args"].get("gpu"):
+    skipped = set.intersection(*(set(parse_list(d["meta"]["args"].get("skip_native"), ""))
+                                 for _, d in runs))
+    text = format_single_device_table(rows, ceilings, skipped).split("\n- ")[0]
+    text += "".join(f"\n- {n}" for n in notes)
+  else:
+    text = format_table(rows, ceilings, notes)
+  print(text)
+  report = Report(args, args.tag or "merged", {**first["meta"], "merged_from": sources},
+                  ceilings, notes)
+  (report.dir / f"{args.tag or 'merged'}.txt").write_text(text + "\n")
+  report.finish(rows, ceilings["dense_bf16"] if first["meta"]["args"].get("gpu") else None)
+
+
 def main(args) -> None:
+  if args.merge:
+    return merge_reports(args)
   launch = launch_mode(args)
   mode = int(args.gpu)  # index into the DEFAULT_* pairs
   shapes = parse_list(args.shapes, DEFAULT_SHAPES[mode])

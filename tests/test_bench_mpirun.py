@@ -1,5 +1,6 @@
 """bench/run.py multi-process at a tiny size: 2 processes started with --coordinator,
---num-processes, --process-id (the mode `mpirun -n 2` runs, without Open MPI), one CPU rank each."""
+--num-processes, --process-id (the mode `mpirun -n 2` runs, without Open MPI), one CPU rank each;
+and --merge, which makes one report of runs cut short by a time limit."""
 import json
 import os
 import subprocess
@@ -48,6 +49,46 @@ class BenchMultiProcessTest(parameterized.TestCase):
       paths = {r["path"] for r in result["results"] if "failed" not in r}
       self.assertIn("engine:xla", paths)
       self.assertIn("native:a2a+einsum(cf=1.25)", paths)
+
+
+class BenchMergeTest(absltest.TestCase):
+
+  def run_bench(self, *flags):
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), *flags], cwd=ROOT,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
+    return p.returncode, p.stdout + p.stderr
+
+  def test_merge_keeps_every_row_later_file_wins(self):
+    with tempfile.TemporaryDirectory() as out:
+      rc, log = self.run_bench("--gpu", "--platform", "cpu", "--shapes", "small", "--tokens",
+                               "16,32", "--iters", "2", "--warmup", "1", "--out", out)
+      self.assertEqual(rc, 0, log[-3000:])
+      with open(os.path.join(out, "gpu-cpu.json")) as f:
+        run = json.load(f)
+      # the first run stopped after T = 16; a second run measured T = 32 (its marker time)
+      cut = {**run, "results": [r for r in run["results"] if r["tokens"] == 16]}
+      rest = {**run, "results": [r for r in run["results"] if r["tokens"] == 32]}
+      self.assertTrue(cut["results"] and rest["results"])
+      rest["results"][0]["stage1"]["median_ms"] = 123.456
+      files = [os.path.join(out, n) for n in ("cut.json", "rest.json")]
+      for name, d in zip(files, (cut, rest)):
+        with open(name, "w") as f:
+          json.dump(d, f)
+      rc, log = self.run_bench("--merge", *files, "--out", out, "--tag", "merged")
+      self.assertEqual(rc, 0, log[-3000:])
+      with open(os.path.join(out, "merged.json")) as f:
+        merged = json.load(f)
+      self.assertEqual(len(merged["results"]), len(run["results"]))
+      self.assertEqual({r["tokens"] for r in merged["results"]}, {16, 32})
+      self.assertIn("123.456", log)
+      self.assertIn("merged from cut.json", open(os.path.join(out, "merged.txt")).read())
+      # files of different modes are refused
+      rest["meta"]["devices"] = 2
+      with open(files[1], "w") as f:
+        json.dump(rest, f)
+      rc, log = self.run_bench("--merge", *files, "--out", out)
+      self.assertNotEqual(rc, 0)
+      self.assertIn("different modes", log)
 
 
 if __name__ == "__main__":
