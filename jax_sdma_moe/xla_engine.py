@@ -57,14 +57,25 @@ def dispatch(send: SendBuffer, send_counts: jax.Array, *, axis_name: str, num_ra
   before_me = _exclusive_cumsum(mine, axis=0)                  # rows of lower sources, per expert
   pos = lay.unclipped[e] + before_me[s, e] + (j - (seg_end - mine)[s, e])
   keep = valid & (pos < lay.offsets[e] + lay.counts[e])
-  idx = jnp.where(keep, pos, cap)
-  landed = jnp.zeros((cap, payload.shape[-1]), jnp.uint8).at[idx].set(recv, mode="drop")
+  # which received row lands at each landing row (R*S: none: padding), then one gather of whole
+  # rows instead of a scatter of them: XLA scatters element by element, here bytes (2.5 GB/s on
+  # 2xH200 with the scatter; on CPU, R = 8, 1024 rows of dsv3 per rank: 446 -> 341 ms)
+  none = R * S
+  src_row = jnp.full((cap,), none, jnp.int32).at[jnp.where(keep, pos, cap)].set(
+      q.astype(jnp.int32), mode="drop")
+  landed_row = src_row < none
+  if none:
+    pick = jnp.minimum(src_row, none - 1)
+    landed = jnp.where(landed_row[:, None], jnp.take(recv, pick, axis=0), jnp.uint8(0))
+    source = jnp.where(landed_row, s[pick].astype(jnp.int32), -1)
+  else:  # no rows to send anywhere (T = 0)
+    landed = jnp.zeros((cap, payload.shape[-1]), jnp.uint8)
+    source = jnp.full((cap,), -1, jnp.int32)
   hdr = lax.bitcast_convert_type(landed[:, -12:].reshape(cap, 3, 4), jnp.int32)
   hs = H // 32
-  landed_row = jnp.zeros((cap,), bool).at[idx].set(True, mode="drop")
   return Landed(
       lax.bitcast_convert_type(landed[:, :H], F8), landed[:, H:H + hs],
-      jnp.full((cap,), -1, jnp.int32).at[idx].set(s.astype(jnp.int32), mode="drop"),
+      source,
       jnp.where(landed_row, hdr[:, 0], -1), jnp.where(landed_row, hdr[:, 1], -1),
       lax.bitcast_convert_type(hdr[:, 2], jnp.float32),
       lay.offsets, lay.counts, lay.counts.sum().astype(jnp.int32), lay.dropped)
