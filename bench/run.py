@@ -899,7 +899,8 @@ def time_path(c: Checked, iters: int, warmup: int) -> dict:
   host = path.runtime.ce_host_stats() if path.runtime is not None else {}
   if host:  # engine ce: the host's share of its calls (every call of this path so far)
     row["ce_host_us"] = {k: max(v[k] / max(v["calls"], 1) for v in host.values())
-                         for k in ("plan_us", "enqueue_us", "copies", "single_copies")}
+                         for k in ("plan_us", "enqueue_us", "own_enqueue_us", "copies",
+                                   "single_copies", "own_copies")}
     row["ce_host_us"]["batch_error"] = next((v["batch_error"] for v in host.values()
                                              if v["batch_error"]), "")
   return row
@@ -1230,6 +1231,8 @@ def format_single_device_table(rows: Sequence[dict], ceilings: dict, skipped: se
                    f"path's calls, max over ranks): plan synchronisation {h['plan_us']:.0f} µs "
                    f"(includes waiting for route+qpack and the slowest peer), copy enqueue "
                    f"{h['enqueue_us']:.0f} µs for {h.get('copies', 0):.0f} copies"
+                   + (f" (of them within the GPU: {h['own_enqueue_us']:.0f} µs for "
+                      f"{h['own_copies']:.0f})" if "own_copies" in h else "")
                    + (f", {h['single_copies']:.0f} of them one at a time (cudaMemcpyBatchAsync: "
                       f"{h['batch_error']})" if h.get("single_copies") else ""))
   lines += [f"- {n}" for n in SINGLE_DEVICE_NOTES]

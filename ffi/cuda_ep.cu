@@ -40,7 +40,7 @@ constexpr int kFlagChunk = 16;  // experts per batch of copies before their sign
 constexpr int64_t kMaxSegments = 4096;  // R * EL: the sm kernel keeps its segment table in smem
 
 struct CeStats {  // written by the rank's calls, read by host_stats() from another thread
-  std::atomic<uint64_t> calls{0}, plan_ns{0}, enqueue_ns{0};
+  std::atomic<uint64_t> calls{0}, plan_ns{0}, enqueue_ns{0}, own_enqueue_ns{0}, own_copies{0};
   // row copies enqueued, those enqueued one at a time because cudaMemcpyBatchAsync refused the
   // batch, and its last refusal (a cudaError_t; 0: none)
   std::atomic<uint64_t> copies{0}, single_copies{0};
@@ -280,6 +280,7 @@ std::string ce_rows(cudaStream_t stream, const WindowSet& w, LocalRank& me, cons
   const cuda::RowHeader* headers = at<cuda::RowHeader>(me.own, L.send_headers);
   const auto started = std::chrono::steady_clock::now();
   std::vector<uint32_t*> flags;
+  const uint64_t copies_before = me.stats->copies;
   // segments in chunks of experts, each chunk to every destination then its signals: every
   // rank's fused GEMM can start on its first experts while later ones move
   CopyBatch batch;
@@ -303,7 +304,12 @@ std::string ce_rows(cudaStream_t stream, const WindowSet& w, LocalRank& me, cons
       if (!err.empty()) return err;
     }
   }
-  me.stats->enqueue_ns += elapsed_ns(started);
+  const uint64_t ns = elapsed_ns(started);
+  me.stats->enqueue_ns += ns;
+  if (!peers) {
+    me.stats->own_enqueue_ns += ns;
+    me.stats->own_copies += me.stats->copies - copies_before;
+  }
   return "";
 }
 
@@ -449,8 +455,9 @@ std::vector<HostStats> host_stats(int64_t id) {
   if (!w) return out;
   for (auto& l : w->local)
     out.push_back(HostStats{l.rank, l.stats->calls.load(), l.stats->plan_ns.load() * 1e-3,
-                            l.stats->enqueue_ns.load() * 1e-3, l.stats->copies.load(),
-                            l.stats->single_copies.load(),
+                            l.stats->enqueue_ns.load() * 1e-3,
+                            l.stats->own_enqueue_ns.load() * 1e-3, l.stats->copies.load(),
+                            l.stats->single_copies.load(), l.stats->own_copies.load(),
                             l.stats->batch_error ? cudaGetErrorName(cudaError_t(
                                                        l.stats->batch_error.load()))
                                                  : ""});

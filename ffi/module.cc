@@ -77,8 +77,12 @@ PYBIND11_MODULE(_jsm_ffi, m) {
   m.def("ep_host_stats", [](int64_t id) {
     py::list out;
     for (const auto& h : jsm::ep::host_stats(id))
-      out.append(py::make_tuple(h.rank, h.calls, h.plan_us, h.enqueue_us, h.copies,
-                                h.single_copies, h.batch_error));
+      out.append(py::dict(py::arg("rank") = h.rank, py::arg("calls") = h.calls,
+                          py::arg("plan_us") = h.plan_us, py::arg("enqueue_us") = h.enqueue_us,
+                          py::arg("own_enqueue_us") = h.own_enqueue_us,
+                          py::arg("copies") = h.copies, py::arg("single_copies") = h.single_copies,
+                          py::arg("own_copies") = h.own_copies,
+                          py::arg("batch_error") = h.batch_error));
     return out;
   });
   m.attr("EP_ENGINES") = py::dict(py::arg("ce") = int(jsm::ep::kCopyEngine),

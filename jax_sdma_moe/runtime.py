@@ -182,10 +182,11 @@ class Runtime:
         raise TimeoutError(msg)
 
   def ce_host_stats(self) -> dict:
-    """Engine ce: {rank: {"calls", "plan_us", "enqueue_us", "copies", "single_copies",
-    "batch_error"}} over this process's ranks and every call so far (totals): the host time of the
-    plan's synchronisation (from the call's start until every source's plan is on the host) and of
-    enqueueing the row copies; the copies enqueued, those enqueued one at a time because
+    """Engine ce: {rank: {"calls", "plan_us", "enqueue_us", "own_enqueue_us", "copies",
+    "single_copies", "own_copies", "batch_error"}} over this process's ranks and every call so far
+    (totals): the host time of the plan's synchronisation (from the call's start until every
+    source's plan is on the host) and of enqueueing the row copies (own_: the part that stays on
+    the rank's GPU); the copies enqueued, those enqueued one at a time because
     cudaMemcpyBatchAsync refused their batch, and the error name of its last refusal ("" if
     none). {} for other engines."""
     if self.engine != "ce":
@@ -193,14 +194,11 @@ class Runtime:
     ext = primitives._extension()
     out = {}
     for wid in list(self._windows.values()):
-      for rank, calls, plan_us, enqueue_us, copies, single, error in ext.ep_host_stats(wid):
-        acc = out.setdefault(rank, {"calls": 0, "plan_us": 0.0, "enqueue_us": 0.0, "copies": 0,
-                                    "single_copies": 0, "batch_error": ""})
-        acc["calls"] += calls
-        acc["plan_us"] += plan_us
-        acc["enqueue_us"] += enqueue_us
-        acc["copies"] += copies
-        acc["single_copies"] += single
+      for st in ext.ep_host_stats(wid):
+        acc = out.setdefault(st.pop("rank"), {"batch_error": ""})
+        error = st.pop("batch_error")
+        for k, v in st.items():
+          acc[k] = acc.get(k, 0) + v
         acc["batch_error"] = error or acc["batch_error"]
     return out
 
