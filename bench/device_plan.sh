@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # The device runs that validate and measure the open issues, each fitting the 600 s limit of one
-# device call (every step has its own timeout; logs land in $OUT even when a step runs out). With
-# ~30 s to start a machine, D + E + F take ~29 of a session's 30 minutes: run them back to back on
-# one warm nvidia-h200-x2 (the package is built once per machine). From the repository root:
+# device call (every step has its own timeout; logs land in $OUT even when a step runs out). Run
+# them back to back on one warm machine (it is given back after 30 s idle; the package is built
+# once per machine). Session 5 (2xH200): D took 294 s; E and F each ran out of their 530 s at
+# v4pro T = 2048 (the JAX-native ragged path's autotuning and out-of-memory failures are slow), so
+# v4pro 2048-8192 took two more calls: split E and F by shape (JSM_BENCH_SHAPES) next time, and
+# merge the JSON files with `bench/run.py --merge`. From the repository root:
 #   run A on nvidia-h200:    bash bench/device_plan.sh A  # gemm1: ncu profile + variants/ablations
 #   run C on nvidia-h200:    bash bench/device_plan.sh C  # R = 1: CUDA tests, sanitizer, bench table
 #   run D on nvidia-h200-x2: bash bench/device_plan.sh D  # all multi-GPU tests (both launch modes)
 #   run E on nvidia-h200-x2: bash bench/device_plan.sh E  # bench, one process, dsv3 + v4pro sweep
 #   run F on nvidia-h200-x2: bash bench/device_plan.sh F  # bench under mpirun -n 2, same sweep
+#   run G on nvidia-h200-x2: bash bench/device_plan.sh G  # session 5's changes, not yet run: ~5 min
 set -uo pipefail
 export OUT=${OUT:-/tmp/jsm-out}
 case "${1:-}" in
@@ -33,8 +37,15 @@ case "${1:-}" in
     JSM_BENCH_TIMEOUT=530 JSM_BENCH_SHAPES="dsv3 v4pro" JSM_BENCH_ARGS="--iters 20 --warmup 3" \
       bash bench/device_multigpu.sh mpibench
     ;;
+  G)  # engine xla's gather (was 2.5 GB/s), ce's own-GPU share of the host enqueue, local copies
+    bash bench/device_multigpu.sh copies
+    JSM_TEST_TIMEOUT=200 JSM_TEST_FILTER="200_back_to_back or dsv3_uniform" bash \
+      bench/device_multigpu.sh tests
+    JSM_BENCH_TIMEOUT=200 JSM_BENCH_SHAPES=dsv3 JSM_BENCH_TOKENS=1024,4096 \
+      JSM_BENCH_ARGS="--iters 20 --warmup 3 --skip-native ragged" bash bench/device_multigpu.sh bench
+    ;;
   *)
-    echo "usage: bash bench/device_plan.sh A|C|D|E|F" >&2
+    echo "usage: bash bench/device_plan.sh A|C|D|E|F|G" >&2
     exit 2
     ;;
 esac
