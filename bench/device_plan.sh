@@ -12,6 +12,7 @@
 #   run E on nvidia-h200-x2: bash bench/device_plan.sh E  # bench, one process, dsv3 + v4pro sweep
 #   run F on nvidia-h200-x2: bash bench/device_plan.sh F  # bench under mpirun -n 2, same sweep
 #   run G on nvidia-h200-x2: bash bench/device_plan.sh G  # session 5's changes, not yet run: ~5 min
+#   run H on nvidia-h200-x2: bash bench/device_plan.sh H  # ce with JSM_CE_OWN=kernel: ~5 min
 set -uo pipefail
 export OUT=${OUT:-/tmp/jsm-out}
 case "${1:-}" in
@@ -44,8 +45,16 @@ case "${1:-}" in
     JSM_BENCH_TIMEOUT=200 JSM_BENCH_SHAPES=dsv3 JSM_BENCH_TOKENS=1024,4096 \
       JSM_BENCH_ARGS="--iters 20 --warmup 3 --skip-native ragged" bash bench/device_multigpu.sh bench
     ;;
+  H)  # engine ce, own rows by a kernel and the GEMM launched before the host's plan wait
+    export JSM_CE_OWN=kernel
+    JSM_TEST_TIMEOUT=240 JSM_TEST_FILTER="back_to_back0 or delayed_rank0 or times_out0 or dsv3_uniform or dsv3_masked_T4096 or two_processes" bash \
+      bench/device_multigpu.sh tests
+    JSM_BENCH_TIMEOUT=240 JSM_BENCH_SHAPES=dsv3 JSM_BENCH_TOKENS=1024,4096,8192 \
+      JSM_BENCH_ARGS="--iters 20 --warmup 3 --skip-native ragged --engines ce --tag gpu-x2-ce-own" \
+      bash bench/device_multigpu.sh bench
+    ;;
   *)
-    echo "usage: bash bench/device_plan.sh A|C|D|E|F|G" >&2
+    echo "usage: bash bench/device_plan.sh A|C|D|E|F|G|H" >&2
     exit 2
     ;;
 esac

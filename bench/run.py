@@ -899,7 +899,8 @@ def time_path(c: Checked, iters: int, warmup: int) -> dict:
   host = path.runtime.ce_host_stats() if path.runtime is not None else {}
   if host:  # engine ce: the host's share of its calls (every call of this path so far)
     row["ce_host_us"] = {k: max(v[k] / max(v["calls"], 1) for v in host.values())
-                         for k in ("plan_us", "enqueue_us", "own_enqueue_us", "copies",
+                         for k in ("plan_us", "plan_stream_us", "enqueue_us", "own_enqueue_us",
+                                   "copies",
                                    "single_copies", "own_copies")}
     row["ce_host_us"]["batch_error"] = next((v["batch_error"] for v in host.values()
                                              if v["batch_error"]), "")
@@ -1229,7 +1230,11 @@ def format_single_device_table(rows: Sequence[dict], ceilings: dict, skipped: se
       h = r["ce_host_us"]
       lines.append(f"{r['shape']} T={r['tokens']} {r['path']}: host per call (mean over the "
                    f"path's calls, max over ranks): plan synchronisation {h['plan_us']:.0f} µs "
-                   f"(includes waiting for route+qpack and the slowest peer), copy enqueue "
+                   + (f"({h['plan_stream_us']:.0f} of them waiting for this rank's stream: "
+                      "route+qpack; the rest for the slowest peer)"
+                      if "plan_stream_us" in h else
+                      "(includes waiting for route+qpack and the slowest peer)")
+                   + ", copy enqueue "
                    f"{h['enqueue_us']:.0f} µs for {h.get('copies', 0):.0f} copies"
                    + (f" (of them within the GPU: {h['own_enqueue_us']:.0f} µs for "
                       f"{h['own_copies']:.0f})" if "own_copies" in h else "")

@@ -7,6 +7,9 @@
 // landing offset, and enqueues the rows as batched copies (cudaMemcpyBatchAsync), each chunk of
 // experts followed by the write of its signals at the destination: its own rows on XLA's stream
 // before the fused GEMM, the peers' on a side stream after it. No SM touches a row in flight.
+// JSM_CE_OWN=kernel (opt-in, being measured): the own segments are stored by a kernel that waits
+// for the plan on the device, so the GEMM is launched before the host's synchronisation, which
+// then runs on the side stream while the GEMM waits for (and computes on) the first peers' rows.
 // Engine `sm`: one kernel puts the plan, waits for the peers' plans and stores the rows itself
 // (kernels/cuda/ep_dispatch.cuh); no host synchronisation.
 // Both then run ep_rows_kernel, which waits (bounded) for every signal of this rank's slot.
@@ -40,7 +43,8 @@ constexpr int kFlagChunk = 16;  // experts per batch of copies before their sign
 constexpr int64_t kMaxSegments = 4096;  // R * EL: the sm kernel keeps its segment table in smem
 
 struct CeStats {  // written by the rank's calls, read by host_stats() from another thread
-  std::atomic<uint64_t> calls{0}, plan_ns{0}, enqueue_ns{0}, own_enqueue_ns{0}, own_copies{0};
+  std::atomic<uint64_t> calls{0}, plan_ns{0}, plan_stream_ns{0}, enqueue_ns{0}, own_enqueue_ns{0},
+      own_copies{0};
   // row copies enqueued, those enqueued one at a time because cudaMemcpyBatchAsync refused the
   // batch, and its last refusal (a cudaError_t; 0: none)
   std::atomic<uint64_t> copies{0}, single_copies{0};
@@ -219,15 +223,13 @@ void free_rank(LocalRank& l) {
   l = LocalRank{};
 }
 
-// Engine ce, steps 1-2 of the protocol for rank `me`, on XLA's stream `st`: the plan to every
-// destination, then every source's plan read back to the host (me.h_plan; the host waits for it).
-std::string ce_plan(cudaStream_t st, const WindowSet& w, LocalRank& me, const cuda::EpArgs& a,
-                    uint32_t epoch, const DispatchOptions& opt) {
+// Engine ce, step 1 of the protocol for rank `me`, on XLA's stream `st`: this rank's plan (its
+// counts) to every destination by the copy engines, each followed by the write of its flag there.
+std::string ce_plan_put(cudaStream_t st, const WindowSet& w, LocalRank& me, const cuda::EpArgs& a,
+                        uint32_t epoch) {
   const int64_t R = w.g.R, EL = w.g.EL;
   const int p = int(epoch & 1), rank = me.rank;
   const EpWindowLayout& L = w.L;
-  const auto started = std::chrono::steady_clock::now();
-  // 1. the plan to every destination, then its flag
   std::vector<uint32_t*> flags;
   for (int64_t d = 0; d < R; ++d) {
     JSM_CUDA_TRY("dispatch ce plan",
@@ -235,17 +237,27 @@ std::string ce_plan(cudaStream_t st, const WindowSet& w, LocalRank& me, const cu
                                  a.counts, size_t(R * EL) * 4, cudaMemcpyDefault, st));
     flags.push_back(at<uint32_t>(me.peers.base[d], L.plan_flag[p]) + rank);
   }
-  std::string err = write_flags(st, flags, epoch);
-  if (!err.empty()) return err;
-  // 2. every source's plan (the first poll also waits for this rank's route and qpack)
+  return write_flags(st, flags, epoch);
+}
+
+// Engine ce, step 2: every source's plan read back to the host (me.h_plan) through stream `st`;
+// the host waits for it, bounded (one host synchronisation per call, like DeepEP's normal mode).
+// The first poll also waits for what `st` holds before it (XLA's stream: this rank's route and
+// qpack; the side stream: the fork), counted apart as plan_stream_ns; the rest is the peers.
+std::string ce_plan_wait(cudaStream_t st, const WindowSet& w, LocalRank& me, uint32_t epoch,
+                         const DispatchOptions& opt, std::chrono::steady_clock::time_point started) {
+  const int64_t R = w.g.R, EL = w.g.EL;
+  const int p = int(epoch & 1);
+  const EpWindowLayout& L = w.L;
   using Clock = std::chrono::steady_clock;
   const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                            std::chrono::duration<double>(opt.timeout_s));
-  for (;;) {
+  for (bool first = true;; first = false) {
     JSM_CUDA_TRY("dispatch ce plan wait",
                  cudaMemcpyAsync(me.h_flags, at<uint32_t>(me.own, L.plan_flag[p]), size_t(R) * 4,
                                  cudaMemcpyDeviceToHost, st));
     JSM_CUDA_TRY("dispatch ce plan wait", cudaStreamSynchronize(st));
+    if (first) me.stats->plan_stream_ns += elapsed_ns(started);
     int64_t missing = -1;
     for (int64_t s = 0; s < R && missing < 0; ++s)
       if (!cuda::epoch_reached(me.h_flags[s], epoch)) missing = s;
@@ -264,6 +276,14 @@ std::string ce_plan(cudaStream_t st, const WindowSet& w, LocalRank& me, const cu
   me.stats->calls += 1;
   me.stats->plan_ns += elapsed_ns(started);
   return "";
+}
+
+// Engine ce: the rank's own segments (a copy within its GPU) stored by a kernel that waits for the
+// plan on the device (JSM_CE_OWN=kernel), instead of copies the host enqueues once it knows the
+// plan (default). Read per call: benchmarks switch it in-process.
+bool ce_own_rows_by_kernel() {
+  const char* env = getenv("JSM_CE_OWN");
+  return env && std::string(env) == "kernel";
 }
 
 // Engine ce, step 3: the rows and their headers (made by dispatch() before the fork), put where
@@ -455,6 +475,7 @@ std::vector<HostStats> host_stats(int64_t id) {
   if (!w) return out;
   for (auto& l : w->local)
     out.push_back(HostStats{l.rank, l.stats->calls.load(), l.stats->plan_ns.load() * 1e-3,
+                            l.stats->plan_stream_ns.load() * 1e-3,
                             l.stats->enqueue_ns.load() * 1e-3,
                             l.stats->own_enqueue_ns.load() * 1e-3, l.stats->copies.load(),
                             l.stats->single_copies.load(), l.stats->own_copies.load(),
@@ -498,9 +519,12 @@ std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendVi
   const bool absent = opt.fault_absent_rank == me->rank;
   int busy_sms = 0;  // SMs the fused GEMM leaves to the dispatch
   std::vector<SegmentPut> puts;  // engine ce: where this rank's segments land
+  const bool own_kernel = w->engine == kCopyEngine && ce_own_rows_by_kernel();
+  std::chrono::steady_clock::time_point started;  // engine ce's plan statistics
   if (!absent) {
     if (opt.fault_delay_rank == me->rank)
       std::this_thread::sleep_for(std::chrono::milliseconds(opt.fault_delay_ms));
+    started = std::chrono::steady_clock::now();
     // the epoch on the device (kernels read it there, also in a replayed CUDA graph); the host's
     // count runs in step for the ce engine's host-side steps (that engine is never captured)
     cuda::ep_begin_kernel<<<1, 1, 0, st>>>(epoch_counter);
@@ -516,19 +540,27 @@ std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendVi
     }
     JSM_CUDA_TRY("dispatch fork", cudaEventRecord(me->fork, st));
     JSM_CUDA_TRY("dispatch fork", cudaStreamWaitEvent(me->side, me->fork, 0));
-    if (w->engine == kSmEngine) {
-      const int smem = int(cuda::SegmentTable::bytes(w->g.R, w->g.EL));
+    const int smem = int(cuda::SegmentTable::bytes(w->g.R, w->g.EL));
+    if (w->engine == kSmEngine || own_kernel)
       JSM_CUDA_TRY("dispatch sm",
                    cudaFuncSetAttribute(cuda::ep_sm_kernel,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    if (w->engine == kSmEngine) {
       busy_sms = std::min(w->sm_blocks, cuda::num_sms() - 1);
-      cuda::ep_sm_kernel<<<busy_sms, 512, smem, me->side>>>(a);
+      cuda::ep_sm_kernel<<<busy_sms, 512, smem, me->side>>>(a, /*own_only=*/false);
       JSM_CUDA_TRY("dispatch sm", cudaGetLastError());
     } else {
-      err = ce_plan(st, *w, *me, a, epoch, opt);
-      if (err.empty()) {
-        puts = segment_puts(me->h_plan, w->g.R, w->g.EL, me->rank, a.row_align, w->g.m_cap);
-        err = ce_rows(st, *w, *me, a, epoch, puts, /*peers=*/false);
+      err = ce_plan_put(st, *w, *me, a, epoch);
+      if (err.empty() && own_kernel) {  // the GEMM's launch waits for no host step
+        cuda::ep_sm_kernel<<<std::min<int64_t>(w->g.EL, cuda::num_sms()), 512, smem, st>>>(
+            a, /*own_only=*/true);
+        JSM_CUDA_TRY("dispatch ce own rows", cudaGetLastError());
+      } else if (err.empty()) {
+        err = ce_plan_wait(st, *w, *me, epoch, opt, started);
+        if (err.empty()) {
+          puts = segment_puts(me->h_plan, w->g.R, w->g.EL, me->rank, a.row_align, w->g.m_cap);
+          err = ce_rows(st, *w, *me, a, epoch, puts, /*peers=*/false);
+        }
       }
       if (!err.empty()) return err;
       busy_sms = 1;  // left to the driver (a peer copy's kernel, if it uses one), not the GEMM
@@ -551,6 +583,11 @@ std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendVi
     if (!err.empty()) return err;
   }
   if (w->engine == kCopyEngine && !absent) {
+    if (own_kernel) {  // the plan, on the side stream: XLA's now holds the GEMM
+      err = ce_plan_wait(me->side, *w, *me, me->epoch, opt, started);
+      if (!err.empty()) return err;
+      puts = segment_puts(me->h_plan, w->g.R, w->g.EL, me->rank, a.row_align, w->g.m_cap);
+    }
     err = ce_rows(me->side, *w, *me, a, me->epoch, puts, /*peers=*/true);
     if (!err.empty()) return err;
   }

@@ -30,13 +30,14 @@ std::string error_message(int64_t id);
 
 // Host time spent inside the ce engine's calls, per local rank: the plan's host synchronisation
 // (from the call's start until every source's plan is on the host: it includes waiting for this
-// rank's route and qpack and for the slowest peer) and the enqueueing of the row copies; the
+// rank's route and qpack and for the slowest peer; plan_stream_us: until the first poll came
+// back, i.e. the wait for the stream's earlier work) and the enqueueing of the row copies; the
 // copies enqueued, those enqueued one at a time (the batch API refused them: batch_error), and
 // the share of the enqueueing and copies that stays on this rank's GPU (own segments).
 struct HostStats {
   int64_t rank;
   uint64_t calls;
-  double plan_us, enqueue_us, own_enqueue_us;  // totals over the calls
+  double plan_us, plan_stream_us, enqueue_us, own_enqueue_us;  // totals over the calls
   uint64_t copies, single_copies, own_copies;
   std::string batch_error;  // the name of the last refused batch's cudaError_t, "" if none
 };

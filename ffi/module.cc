@@ -78,7 +78,9 @@ PYBIND11_MODULE(_jsm_ffi, m) {
     py::list out;
     for (const auto& h : jsm::ep::host_stats(id))
       out.append(py::dict(py::arg("rank") = h.rank, py::arg("calls") = h.calls,
-                          py::arg("plan_us") = h.plan_us, py::arg("enqueue_us") = h.enqueue_us,
+                          py::arg("plan_us") = h.plan_us,
+                          py::arg("plan_stream_us") = h.plan_stream_us,
+                          py::arg("enqueue_us") = h.enqueue_us,
                           py::arg("own_enqueue_us") = h.own_enqueue_us,
                           py::arg("copies") = h.copies, py::arg("single_copies") = h.single_copies,
                           py::arg("own_copies") = h.own_copies,

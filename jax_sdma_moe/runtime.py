@@ -182,11 +182,12 @@ class Runtime:
         raise TimeoutError(msg)
 
   def ce_host_stats(self) -> dict:
-    """Engine ce: {rank: {"calls", "plan_us", "enqueue_us", "own_enqueue_us", "copies",
-    "single_copies", "own_copies", "batch_error"}} over this process's ranks and every call so far
-    (totals): the host time of the plan's synchronisation (from the call's start until every
-    source's plan is on the host) and of enqueueing the row copies (own_: the part that stays on
-    the rank's GPU); the copies enqueued, those enqueued one at a time because
+    """Engine ce: {rank: {"calls", "plan_us", "plan_stream_us", "enqueue_us", "own_enqueue_us",
+    "copies", "single_copies", "own_copies", "batch_error"}} over this process's ranks and every
+    call so far (totals): the host time of the plan's synchronisation (from the call's start until
+    every source's plan is on the host; plan_stream_us: the part spent waiting for the stream's
+    earlier work, the rest waits for the peers) and of enqueueing the row copies (own_: the part
+    that stays on the rank's GPU); the copies enqueued, those enqueued one at a time because
     cudaMemcpyBatchAsync refused their batch, and the error name of its last refusal ("" if
     none). {} for other engines."""
     if self.engine != "ce":

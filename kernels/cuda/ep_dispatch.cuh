@@ -3,7 +3,8 @@
 //   ep_headers_kernel  the outgoing rows' 16-byte headers, so the `ce` engine copies a segment's
 //                      headers in one piece;
 //   ep_sm_kernel       engine `sm`: a few blocks put the plan and every segment to the peers with
-//                      stores over NVLink and raise the signals (no host involvement);
+//                      stores over NVLink and raise the signals (no host involvement); engine
+//                      `ce` with JSM_CE_OWN=kernel: only this rank's own segments (within the GPU);
 //   ep_layout_kernel   both engines: wait (bounded) for every source's plan, write the §4 layout;
 //   ep_rows_kernel     both engines: wait (bounded) for every signal of this rank's slot, then
 //                      write the row headers (and the rows, unless a fused GEMM read them).
@@ -149,13 +150,16 @@ __device__ void build_segments(const EpArgs& a, int p, SegmentTable t) {
 // segments q = blockIdx.x, + gridDim.x, ... in expert order (expert q / R to every destination,
 // peers first), raising each segment's signal at its destination once its rows are stored: every
 // rank's fused GEMM can start on its first experts while the later ones are still moving.
-__global__ void __launch_bounds__(512) ep_sm_kernel(const EpArgs a) {
+// own_only (engine ce): the copy engines put the plan and the peers' segments; the blocks store
+// this rank's own segments (expert q), so the host enqueues no copy within the GPU and need not
+// know the plan before the fused GEMM's launch.
+__global__ void __launch_bounds__(512) ep_sm_kernel(const EpArgs a, bool own_only) {
   extern __shared__ int32_t smem[];
   const int R = int(a.g.R), EL = int(a.g.EL);
   const int64_t H = a.g.H, HS = H / kBlock;
   const uint32_t epoch = call_epoch(a);
   const int p = int(epoch & 1);
-  if (blockIdx.x == 0) {
+  if (blockIdx.x == 0 && !own_only) {
     for (int d = 0; d < R; ++d) {
       int32_t* dst = at<int32_t>(a.peers.base[d], a.L.plan[p]) + int64_t(a.rank) * R * EL;
       for (int i = threadIdx.x; i < R * EL; i += blockDim.x) dst[i] = a.counts[i];
@@ -168,8 +172,9 @@ __global__ void __launch_bounds__(512) ep_sm_kernel(const EpArgs a) {
   if (!wait_plan(a, epoch)) return;
   SegmentTable t{smem, smem + R * EL, smem + 2 * R * EL, smem + 3 * R * EL + 1};
   build_segments(a, p, t);
-  for (int q = blockIdx.x; q < R * EL; q += gridDim.x) {
-    const int e = q / R, d = (a.rank + 1 + q % R) % R, i = d * EL + e;
+  for (int q = blockIdx.x; q < (own_only ? EL : R * EL); q += gridDim.x) {
+    const int e = own_only ? q : q / R, d = own_only ? a.rank : (a.rank + 1 + q % R) % R;
+    const int i = d * EL + e;
     const int64_t keep = t.keep[i], base = t.base[i], from = t.start[i];
     uint8_t* dst = a.peers.base[d];
     block_copy(at<uint8_t>(dst, a.L.values[p]) + base * H, a.values + from * H, keep * H);
