@@ -1174,7 +1174,8 @@ def _rate(v: Optional[float]) -> Optional[str]:
   return None if v is None else f"{v:.0f}" if v >= 100 else f"{v:.3g}"
 
 
-def format_single_device_table(rows: Sequence[dict], ceilings: dict, skipped: set) -> str:
+def format_single_device_table(rows: Sequence[dict], ceilings: dict, skipped: set,
+                               notes: Sequence[str] = SINGLE_DEVICE_NOTES) -> str:
   """--gpu: one line per engine path and (shape, tokens), with the JAX-native baselines of the same
   configuration in its last columns."""
   cols = [("shape", 6, "{}"), ("T", 5, "{}"), ("path", 12, "{}"), ("stage1 ms", 9, "{:.3f}"),
@@ -1240,7 +1241,7 @@ def format_single_device_table(rows: Sequence[dict], ceilings: dict, skipped: se
                       f"{h['own_copies']:.0f})" if "own_copies" in h else "")
                    + (f", {h['single_copies']:.0f} of them one at a time (cudaMemcpyBatchAsync: "
                       f"{h['batch_error']})" if h.get("single_copies") else ""))
-  lines += [f"- {n}" for n in SINGLE_DEVICE_NOTES]
+  lines += [f"- {n}" for n in notes]
   return "\n".join(lines)
 
 
@@ -1382,8 +1383,7 @@ def merge_reports(args) -> None:
   if first["meta"]["args"].get("gpu"):
     skipped = set.intersection(*(set(parse_list(d["meta"]["args"].get("skip_native"), ""))
                                  for _, d in runs))
-    text = format_single_device_table(rows, ceilings, skipped).split("\n- ")[0]
-    text += "".join(f"\n- {n}" for n in notes)
+    text = format_single_device_table(rows, ceilings, skipped, notes)
   else:
     text = format_table(rows, ceilings, notes)
   print(text)
@@ -1506,7 +1506,7 @@ def main_single_device(args, shapes, tokens, engines, launch: str = "single") ->
         report.write_json(rows)
       del weights  # the next shape's weights need the memory (v4pro: 17 GB fp8 + 34 GB bf16)
   if jax.process_index() == 0:
-    print(format_single_device_table(rows, ceilings, skipped_natives(args)))
+    print(format_single_device_table(rows, ceilings, skipped_natives(args), notes))
   report.finish(rows, ceilings["dense_bf16"])
   return rows
 
