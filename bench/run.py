@@ -896,12 +896,17 @@ def time_path(c: Checked, iters: int, warmup: int) -> dict:
                     "first_call_s": slowest(c.first_call_s)}, "stages": {}}
   for name, stage, inp in zip(STAGES, path.stages, c.stage_inputs):
     row["stages"][name] = time_calls(stage, (inp, path.w), iters, warmup)
+  timeline = path.runtime.dispatch_timeline() if path.runtime is not None else {}
+  if timeline:  # engines ce, sm: where a fused call's time goes on the device
+    row["timeline_ms"] = {k: max((t[k] for t in timeline.values() if t[k] is not None),
+                                 default=None)
+                          for k in ("gemm_start_ms", "gemm_end_ms", "side_end_ms",
+                                    "first_chunk_ms")}
   host = path.runtime.ce_host_stats() if path.runtime is not None else {}
   if host:  # engine ce: the host's share of its calls (every call of this path so far)
     row["ce_host_us"] = {k: max(v[k] / max(v["calls"], 1) for v in host.values())
                          for k in ("plan_us", "plan_stream_us", "enqueue_us", "own_enqueue_us",
-                                   "copies",
-                                   "single_copies", "own_copies")}
+                                   "copies", "single_copies", "own_copies")}
     row["ce_host_us"]["batch_error"] = next((v["batch_error"] for v in host.values()
                                              if v["batch_error"]), "")
   return row
@@ -1227,6 +1232,14 @@ def format_single_device_table(rows: Sequence[dict], ceilings: dict, skipped: se
   lines.append(f"ceilings: copy {ceilings['copy_gbps']:.0f} GB/s{peer}, dense bf16 "
                f"{ceilings['matmul_gflops']['bf16'] / 1e3:.3g} TFLOP/s ({ceilings['how']})")
   for r in rows:
+    if "timeline_ms" in r:
+      t = r["timeline_ms"]
+      lines.append(f"{r['shape']} T={r['tokens']} {r['path']}: device timeline of the fused calls "
+                   f"(ms after the dispatch's start, mean over calls, max over ranks): GEMM "
+                   f"starts {t['gemm_start_ms']:.2f}, ends {t['gemm_end_ms']:.2f}; side stream "
+                   f"done {t['side_end_ms']:.2f}"
+                   + (f"; first chunk of peer copies landed {t['first_chunk_ms']:.2f}"
+                      if t.get("first_chunk_ms") is not None else ""))
     if "ce_host_us" in r:
       h = r["ce_host_us"]
       lines.append(f"{r['shape']} T={r['tokens']} {r['path']}: host per call (mean over the "

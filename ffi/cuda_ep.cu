@@ -42,18 +42,27 @@ using cuda::at;
 constexpr int kFlagChunk = 16;  // experts per batch of copies before their signals (ce)
 constexpr int64_t kMaxSegments = 4096;  // R * EL: the sm kernel keeps its segment table in smem
 
-struct CeStats {  // written by the rank's calls, read by host_stats() from another thread
+// Where a fused call's time goes on the device, from CUDA events on its two streams (read back at
+// the rank's next call, once they have completed): the dispatch's start on XLA's stream; XLA's
+// stream reaching the fused GEMM (every earlier step of the dispatch done: for ce the plan's host
+// wait and the own copies) and leaving it; the side stream done (ce: the peers' copies; sm: its
+// kernel); ce: the first chunk of peers' copies landed.
+enum Mark { kStart, kGemmStart, kGemmEnd, kSideEnd, kFirstChunk, kMarks };
+
+struct RankStats {  // written by the rank's calls, read by host_stats() from another thread
   std::atomic<uint64_t> calls{0}, plan_ns{0}, plan_stream_ns{0}, enqueue_ns{0}, own_enqueue_ns{0},
       own_copies{0};
   // row copies enqueued, those enqueued one at a time because cudaMemcpyBatchAsync refused the
   // batch, and its last refusal (a cudaError_t; 0: none)
   std::atomic<uint64_t> copies{0}, single_copies{0};
   std::atomic<int> batch_error{0};
+  // the timeline: calls counted, and per mark (kGemmStart..) the total ns after kStart
+  std::atomic<uint64_t> timed_calls{0}, first_chunk_calls{0}, mark_ns[kMarks]{};
 };
 
 struct LocalRank {
   int rank = -1, device = -1;
-  std::shared_ptr<CeStats> stats = std::make_shared<CeStats>();
+  std::shared_ptr<RankStats> stats = std::make_shared<RankStats>();
   uint8_t* own = nullptr;
   cuda::PeerTable peers{};
   std::vector<void*> opened;  // IPC-opened peer windows
@@ -65,6 +74,8 @@ struct LocalRank {
   int32_t* h_plan = nullptr;    // pinned
   cudaStream_t side = nullptr;  // row copies (ce) or the sm kernel, beside XLA's stream
   cudaEvent_t fork = nullptr, join = nullptr;
+  cudaEvent_t marks[kMarks] = {};
+  bool marks_pending = false, first_chunk_marked = false;  // the last call's marks, not yet read
 };
 
 struct WindowSet {
@@ -181,7 +192,7 @@ struct CopyBatch {
 };
 
 // The batch on the copy engines, in stream order.
-std::string put(CopyBatch& b, cudaStream_t st, CeStats& stats) {
+std::string put(CopyBatch& b, cudaStream_t st, RankStats& stats) {
   if (b.dst.empty()) return "";
   stats.copies += b.dst.size();
   cudaMemcpyAttributes attr{};
@@ -219,6 +230,8 @@ void free_rank(LocalRank& l) {
   if (l.h_plan) cudaFreeHost(l.h_plan);
   if (l.side) cudaStreamDestroy(l.side);
   if (l.fork) cudaEventDestroy(l.fork);
+  for (cudaEvent_t ev : l.marks)
+    if (ev) cudaEventDestroy(ev);
   if (l.join) cudaEventDestroy(l.join);
   l = LocalRank{};
 }
@@ -278,6 +291,25 @@ std::string ce_plan_wait(cudaStream_t st, const WindowSet& w, LocalRank& me, uin
   return "";
 }
 
+// The previous call's timeline into the statistics, if its events have completed (not when calls
+// are enqueued faster than they run: that call is then not counted).
+void read_marks(LocalRank& l) {
+  if (!l.marks_pending) return;
+  l.marks_pending = false;
+  float ms[kMarks] = {};
+  for (int m = kGemmStart; m < kMarks; ++m) {
+    if (m == kFirstChunk && !l.first_chunk_marked) continue;
+    if (cudaEventElapsedTime(&ms[m], l.marks[kStart], l.marks[m]) != cudaSuccess) {
+      cudaGetLastError();  // cudaErrorNotReady: still running
+      return;
+    }
+  }
+  l.stats->timed_calls += 1;
+  if (l.first_chunk_marked) l.stats->first_chunk_calls += 1;
+  for (int m = kGemmStart; m < kMarks; ++m)
+    l.stats->mark_ns[m] += uint64_t(std::max(0.0f, ms[m]) * 1e6f);
+}
+
 // Engine ce: the rank's own segments (a copy within its GPU) stored by a kernel that waits for the
 // plan on the device (JSM_CE_OWN=kernel), instead of copies the host enqueues once it knows the
 // plan (default). Read per call: benchmarks switch it in-process.
@@ -293,7 +325,8 @@ bool ce_own_rows_by_kernel() {
 // which a persistent GEMM holding every SM (and waiting for these very rows) would never let
 // start (measured: dsv3 hung until the timeout).
 std::string ce_rows(cudaStream_t stream, const WindowSet& w, LocalRank& me, const cuda::EpArgs& a,
-                    uint32_t epoch, const std::vector<SegmentPut>& puts, bool peers) {
+                    uint32_t epoch, const std::vector<SegmentPut>& puts, bool peers,
+                    cudaEvent_t after_first_chunk = nullptr) {
   const int64_t R = w.g.R, EL = w.g.EL, H = w.g.H, HS = H / kBlock;
   const int p = int(epoch & 1), rank = me.rank;
   const EpWindowLayout& L = w.L;
@@ -322,6 +355,10 @@ std::string ce_rows(cudaStream_t stream, const WindowSet& w, LocalRank& me, cons
       std::string err = put(batch, stream, *me.stats);
       if (err.empty()) err = write_flags(stream, flags, epoch);
       if (!err.empty()) return err;
+      if (after_first_chunk) {
+        JSM_CUDA_TRY("dispatch mark", cudaEventRecord(after_first_chunk, stream));
+        after_first_chunk = nullptr;
+      }
     }
   }
   const uint64_t ns = elapsed_ns(started);
@@ -371,6 +408,8 @@ int64_t windows_create(int engine, int sm_blocks, const EpGeometry& g,
     if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&l.side, cudaStreamNonBlocking);
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&l.fork, cudaEventDisableTiming);
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&l.join, cudaEventDisableTiming);
+    for (cudaEvent_t& ev : l.marks)
+      if (e == cudaSuccess) e = cudaEventCreate(&ev);
     if (e == cudaSuccess) e = cudaDeviceSynchronize();
     l.peers.base[l.rank] = l.own;
     w->local.push_back(l);
@@ -481,7 +520,12 @@ std::vector<HostStats> host_stats(int64_t id) {
                             l.stats->single_copies.load(), l.stats->own_copies.load(),
                             l.stats->batch_error ? cudaGetErrorName(cudaError_t(
                                                        l.stats->batch_error.load()))
-                                                 : ""});
+                                                 : "",
+                            l.stats->timed_calls.load(), l.stats->first_chunk_calls.load(),
+                            l.stats->mark_ns[kGemmStart].load() * 1e-3,
+                            l.stats->mark_ns[kGemmEnd].load() * 1e-3,
+                            l.stats->mark_ns[kSideEnd].load() * 1e-3,
+                            l.stats->mark_ns[kFirstChunk].load() * 1e-3});
   return out;
 }
 
@@ -503,6 +547,7 @@ std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendVi
     return "jax_sdma_moe dispatch: engine 'ce' synchronises with the host in every call and "
            "cannot run inside a CUDA graph; use engine 'sm' there";
   me->timeout_s = opt.timeout_s;
+  read_marks(*me);
   std::string err = describe(*me);
   if (!err.empty()) return err;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
@@ -520,6 +565,11 @@ std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendVi
   int busy_sms = 0;  // SMs the fused GEMM leaves to the dispatch
   std::vector<SegmentPut> puts;  // engine ce: where this rank's segments land
   const bool own_kernel = w->engine == kCopyEngine && ce_own_rows_by_kernel();
+  // the timeline of fused calls outside CUDA graphs (whose replays never come back here)
+  const bool timed = !absent && gemm && capture == cudaStreamCaptureStatusNone;
+  auto mark = [&](Mark m, cudaStream_t s) -> cudaError_t {
+    return timed ? cudaEventRecord(me->marks[m], s) : cudaSuccess;
+  };
   std::chrono::steady_clock::time_point started;  // engine ce's plan statistics
   if (!absent) {
     if (opt.fault_delay_rank == me->rank)
@@ -527,6 +577,7 @@ std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendVi
     started = std::chrono::steady_clock::now();
     // the epoch on the device (kernels read it there, also in a replayed CUDA graph); the host's
     // count runs in step for the ce engine's host-side steps (that engine is never captured)
+    JSM_CUDA_TRY("dispatch mark", mark(kStart, st));
     cuda::ep_begin_kernel<<<1, 1, 0, st>>>(epoch_counter);
     JSM_CUDA_TRY("dispatch begin", cudaGetLastError());
     const uint32_t epoch = ++me->epoch;
@@ -579,8 +630,10 @@ std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendVi
                   a.timeout_ns,
                   me->err_dev,
                   cuda::num_sms() - busy_sms};
+    JSM_CUDA_TRY("dispatch mark", mark(kGemmStart, st));
     err = gemm(slot, st, gemm_ctx);
     if (!err.empty()) return err;
+    JSM_CUDA_TRY("dispatch mark", mark(kGemmEnd, st));
   }
   if (w->engine == kCopyEngine && !absent) {
     if (own_kernel) {  // the plan, on the side stream: XLA's now holds the GEMM
@@ -588,7 +641,8 @@ std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendVi
       if (!err.empty()) return err;
       puts = segment_puts(me->h_plan, w->g.R, w->g.EL, me->rank, a.row_align, w->g.m_cap);
     }
-    err = ce_rows(me->side, *w, *me, a, me->epoch, puts, /*peers=*/true);
+    err = ce_rows(me->side, *w, *me, a, me->epoch, puts, /*peers=*/true,
+                  timed ? me->marks[kFirstChunk] : nullptr);
     if (!err.empty()) return err;
   }
   // a few blocks per SM (grid-stride): each block first waits for every signal
@@ -597,9 +651,12 @@ std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendVi
       a, out, absent, gemm == nullptr);
   JSM_CUDA_TRY("dispatch rows", cudaGetLastError());
   if (!absent) {  // XLA may reuse the send buffer once the call is done on its stream
+    JSM_CUDA_TRY("dispatch mark", mark(kSideEnd, me->side));
     JSM_CUDA_TRY("dispatch join", cudaEventRecord(me->join, me->side));
     JSM_CUDA_TRY("dispatch join", cudaStreamWaitEvent(st, me->join, 0));
   }
+  me->marks_pending = timed;
+  me->first_chunk_marked = timed && w->engine == kCopyEngine;
   return "";
 }
 

@@ -40,6 +40,12 @@ struct HostStats {
   double plan_us, plan_stream_us, enqueue_us, own_enqueue_us;  // totals over the calls
   uint64_t copies, single_copies, own_copies;
   std::string batch_error;  // the name of the last refused batch's cudaError_t, "" if none
+  // Both engines, fused calls (dispatch + GEMM) outside CUDA graphs: the device-side timeline of
+  // the calls counted (timed_calls; first_chunk_calls: those with engine ce's first-chunk mark),
+  // totals of µs after the dispatch's start on XLA's stream until that stream reached the GEMM
+  // and left it, the side stream was done, and (ce) the first chunk of peers' copies had landed.
+  uint64_t timed_calls, first_chunk_calls;
+  double gemm_start_us, gemm_end_us, side_end_us, first_chunk_us;
 };
 std::vector<HostStats> host_stats(int64_t id);
 

@@ -84,7 +84,13 @@ PYBIND11_MODULE(_jsm_ffi, m) {
                           py::arg("own_enqueue_us") = h.own_enqueue_us,
                           py::arg("copies") = h.copies, py::arg("single_copies") = h.single_copies,
                           py::arg("own_copies") = h.own_copies,
-                          py::arg("batch_error") = h.batch_error));
+                          py::arg("batch_error") = h.batch_error,
+                          py::arg("timed_calls") = h.timed_calls,
+                          py::arg("first_chunk_calls") = h.first_chunk_calls,
+                          py::arg("gemm_start_us") = h.gemm_start_us,
+                          py::arg("gemm_end_us") = h.gemm_end_us,
+                          py::arg("side_end_us") = h.side_end_us,
+                          py::arg("first_chunk_us") = h.first_chunk_us));
     return out;
   });
   m.attr("EP_ENGINES") = py::dict(py::arg("ce") = int(jsm::ep::kCopyEngine),

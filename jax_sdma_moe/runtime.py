@@ -181,6 +181,24 @@ class Runtime:
       if msg:
         raise TimeoutError(msg)
 
+  _CE_HOST_KEYS = ("calls", "plan_us", "plan_stream_us", "enqueue_us", "own_enqueue_us",
+                   "copies", "single_copies", "own_copies")
+  _TIMELINE_KEYS = ("timed_calls", "first_chunk_calls", "gemm_start_us", "gemm_end_us",
+                    "side_end_us", "first_chunk_us")
+
+  def _rank_stats(self, keys) -> dict:
+    """{rank: {key: total over every window set of this Runtime, "batch_error": the last}} for
+    this process's ranks."""
+    ext = primitives._extension()
+    out = {}
+    for wid in list(self._windows.values()):
+      for st in ext.ep_host_stats(wid):
+        acc = out.setdefault(st["rank"], {**dict.fromkeys(keys, 0), "batch_error": ""})
+        for k in keys:
+          acc[k] += st[k]
+        acc["batch_error"] = st["batch_error"] or acc["batch_error"]
+    return out
+
   def ce_host_stats(self) -> dict:
     """Engine ce: {rank: {"calls", "plan_us", "plan_stream_us", "enqueue_us", "own_enqueue_us",
     "copies", "single_copies", "own_copies", "batch_error"}} over this process's ranks and every
@@ -192,15 +210,27 @@ class Runtime:
     none). {} for other engines."""
     if self.engine != "ce":
       return {}
-    ext = primitives._extension()
+    return self._rank_stats(self._CE_HOST_KEYS)
+
+  def dispatch_timeline(self) -> dict:
+    """Engines ce and sm: {rank: {"calls", "gemm_start_ms", "gemm_end_ms", "side_end_ms",
+    "first_chunk_ms"}}: the device-side timeline of the fused calls (dispatch + GEMM, outside CUDA
+    graphs) so far, means over the calls whose events had completed by the rank's next call, in ms
+    after the dispatch's start on XLA's stream: XLA's stream reaching the fused GEMM (the
+    dispatch's earlier steps done: for ce the host's plan wait and the own copies) and leaving it,
+    the side stream done (ce: the peers' copies; sm: its kernel), and for ce the first chunk of
+    the peers' copies landed (None for sm). {} for other engines or before a timed call."""
+    if self.engine not in ("ce", "sm"):
+      return {}
     out = {}
-    for wid in list(self._windows.values()):
-      for st in ext.ep_host_stats(wid):
-        acc = out.setdefault(st.pop("rank"), {"batch_error": ""})
-        error = st.pop("batch_error")
-        for k, v in st.items():
-          acc[k] = acc.get(k, 0) + v
-        acc["batch_error"] = error or acc["batch_error"]
+    for rank, t in self._rank_stats(self._TIMELINE_KEYS).items():
+      n, n1 = t["timed_calls"], t["first_chunk_calls"]
+      if not n:
+        continue
+      out[rank] = {"calls": n, "gemm_start_ms": t["gemm_start_us"] / n / 1e3,
+                   "gemm_end_ms": t["gemm_end_us"] / n / 1e3,
+                   "side_end_ms": t["side_end_us"] / n / 1e3,
+                   "first_chunk_ms": t["first_chunk_us"] / n1 / 1e3 if n1 else None}
     return out
 
   def shard_w1(self, w1q):

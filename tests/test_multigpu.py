@@ -182,6 +182,18 @@ class MultiGpuStage1Test(parameterized.TestCase):
         ref, h32 = ref_fn(x, ids, w)
         _util.check_stage1(self, out, ref, h32, "bf16")
       rt.check()
+      # each call was waited for before the next: all but the last one's timeline is read back
+      timeline = rt.dispatch_timeline()
+      self.assertEqual(sorted(timeline), list(range(R)))
+      for rank, t in timeline.items():
+        self.assertEqual(t["calls"], 199, f"rank {rank}")
+        self.assertLessEqual(0, t["gemm_start_ms"], f"rank {rank}")
+        self.assertLessEqual(t["gemm_start_ms"], t["gemm_end_ms"], f"rank {rank}")
+        self.assertGreater(t["side_end_ms"], 0, f"rank {rank}")
+        if engine == "ce":
+          self.assertLessEqual(t["first_chunk_ms"], t["side_end_ms"], f"rank {rank}")
+        else:
+          self.assertIsNone(t["first_chunk_ms"])
       if engine == "ce":  # the host's share of each call is counted for every rank
         stats = rt.ce_host_stats()
         self.assertEqual(sorted(stats), list(range(R)))
