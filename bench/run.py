@@ -1383,8 +1383,9 @@ def merge_reports(args) -> None:
   if len(modes) > 1:
     raise SystemExit(f"--merge: the files come from different modes {sorted(map(str, modes))}")
   rows, dense = {}, {}
-  for _, d in runs:
-    rows.update({(r["shape"], r["tokens"], r["path"]): r for r in d["results"]})
+  for f, d in runs:
+    rows.update({(r["shape"], r["tokens"], r["path"]): {**r, "source": Path(f).name}
+                 for r in d["results"]})
     dense.update({(r["shape"], r["tokens"]): r for r in d["ceilings"].get("dense_bf16", [])})
   rows = sorted(rows.values(), key=lambda r: (r["shape"], r["tokens"]))  # stable: path order kept
   first = runs[0][1]

@@ -80,6 +80,8 @@ class BenchMergeTest(absltest.TestCase):
         merged = json.load(f)
       self.assertEqual(len(merged["results"]), len(run["results"]))
       self.assertEqual({r["tokens"] for r in merged["results"]}, {16, 32})
+      self.assertEqual({(r["tokens"], r["source"]) for r in merged["results"]},
+                       {(16, "cut.json"), (32, "rest.json")})
       self.assertIn("123.456", log)
       self.assertIn("merged from cut.json", open(os.path.join(out, "merged.txt")).read())
       # files of different modes are refused
