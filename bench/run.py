@@ -1394,17 +1394,17 @@ def merge_reports(args) -> None:
              f"copy {d['ceilings']['copy_gbps']:.0f} GB/s)" for f, d in runs]
   notes = list(first["notes"]) + ["merged from " + "; ".join(sources) + "; the ceilings line is "
                                   "the first file's"]
-  if first["meta"]["args"].get("gpu"):
+  gpu_mode, stem = first["meta"]["args"].get("gpu"), args.tag or "merged"
+  if gpu_mode:
     skipped = set.intersection(*(set(parse_list(d["meta"]["args"].get("skip_native"), ""))
                                  for _, d in runs))
     text = format_single_device_table(rows, ceilings, skipped, notes)
   else:
     text = format_table(rows, ceilings, notes)
   print(text)
-  report = Report(args, args.tag or "merged", {**first["meta"], "merged_from": sources},
-                  ceilings, notes)
-  (report.dir / f"{args.tag or 'merged'}.txt").write_text(text + "\n")
-  report.finish(rows, ceilings["dense_bf16"] if first["meta"]["args"].get("gpu") else None)
+  report = Report(args, stem, {**first["meta"], "merged_from": sources}, ceilings, notes)
+  (report.dir / f"{stem}.txt").write_text(text + "\n")
+  report.finish(rows, ceilings["dense_bf16"] if gpu_mode else None)
 
 
 def main(args) -> None:

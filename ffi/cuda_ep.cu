@@ -75,7 +75,7 @@ struct LocalRank {
   cudaStream_t side = nullptr;  // row copies (ce) or the sm kernel, beside XLA's stream
   cudaEvent_t fork = nullptr, join = nullptr;
   cudaEvent_t marks[kMarks] = {};
-  bool marks_pending = false, first_chunk_marked = false;  // the last call's marks, not yet read
+  bool marks_pending = false;  // the last call's marks, not yet read
 };
 
 struct WindowSet {
@@ -254,11 +254,13 @@ std::string ce_plan_put(cudaStream_t st, const WindowSet& w, LocalRank& me, cons
 }
 
 // Engine ce, step 2: every source's plan read back to the host (me.h_plan) through stream `st`;
-// the host waits for it, bounded (one host synchronisation per call, like DeepEP's normal mode).
-// The first poll also waits for what `st` holds before it (XLA's stream: this rank's route and
-// qpack; the side stream: the fork), counted apart as plan_stream_ns; the rest is the peers.
+// the host waits for it, bounded (one host synchronisation per call, like DeepEP's normal mode),
+// then computes where this rank's segments land (`puts`). The first poll also waits for what `st`
+// holds before it (XLA's stream: this rank's route and qpack; the side stream: the fork), counted
+// apart as plan_stream_ns; the rest is the peers.
 std::string ce_plan_wait(cudaStream_t st, const WindowSet& w, LocalRank& me, uint32_t epoch,
-                         const DispatchOptions& opt, std::chrono::steady_clock::time_point started) {
+                         const DispatchOptions& opt, std::chrono::steady_clock::time_point started,
+                         std::vector<SegmentPut>& puts) {
   const int64_t R = w.g.R, EL = w.g.EL;
   const int p = int(epoch & 1);
   const EpWindowLayout& L = w.L;
@@ -286,26 +288,28 @@ std::string ce_plan_wait(cudaStream_t st, const WindowSet& w, LocalRank& me, uin
                cudaMemcpyAsync(me.h_plan, at<int32_t>(me.own, L.plan[p]),
                                size_t(R * R * EL) * 4, cudaMemcpyDeviceToHost, st));
   JSM_CUDA_TRY("dispatch ce plan read", cudaStreamSynchronize(st));
+  puts = segment_puts(me.h_plan, R, EL, me.rank, opt.row_align, w.g.m_cap);
   me.stats->calls += 1;
   me.stats->plan_ns += elapsed_ns(started);
   return "";
 }
 
 // The previous call's timeline into the statistics, if its events have completed (not when calls
-// are enqueued faster than they run: that call is then not counted).
-void read_marks(LocalRank& l) {
+// are enqueued faster than they run: that call is then not counted). first_chunk: engine ce,
+// whose calls mark their first chunk of peer copies.
+void read_marks(LocalRank& l, bool first_chunk) {
   if (!l.marks_pending) return;
   l.marks_pending = false;
   float ms[kMarks] = {};
   for (int m = kGemmStart; m < kMarks; ++m) {
-    if (m == kFirstChunk && !l.first_chunk_marked) continue;
+    if (m == kFirstChunk && !first_chunk) continue;
     if (cudaEventElapsedTime(&ms[m], l.marks[kStart], l.marks[m]) != cudaSuccess) {
       cudaGetLastError();  // cudaErrorNotReady: still running
       return;
     }
   }
   l.stats->timed_calls += 1;
-  if (l.first_chunk_marked) l.stats->first_chunk_calls += 1;
+  if (first_chunk) l.stats->first_chunk_calls += 1;
   for (int m = kGemmStart; m < kMarks; ++m)
     l.stats->mark_ns[m] += uint64_t(std::max(0.0f, ms[m]) * 1e6f);
 }
@@ -319,7 +323,7 @@ bool ce_own_rows_by_kernel() {
 }
 
 // Engine ce, step 3: the rows and their headers (made by dispatch() before the fork), put where
-// `puts` says (segment_puts of the plan ce_plan read), to the destinations `peers` selects: this
+// `puts` says (ce_plan_wait), to the destinations `peers` selects: this
 // rank's own segments (peers = false) on XLA's stream before the fused GEMM's launch, the peers'
 // (peers = true) on the side stream after it. A copy within one GPU may run as a driver kernel,
 // which a persistent GEMM holding every SM (and waiting for these very rows) would never let
@@ -547,7 +551,7 @@ std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendVi
     return "jax_sdma_moe dispatch: engine 'ce' synchronises with the host in every call and "
            "cannot run inside a CUDA graph; use engine 'sm' there";
   me->timeout_s = opt.timeout_s;
-  read_marks(*me);
+  read_marks(*me, w->engine == kCopyEngine);
   std::string err = describe(*me);
   if (!err.empty()) return err;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
@@ -607,11 +611,8 @@ std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendVi
             a, /*own_only=*/true);
         JSM_CUDA_TRY("dispatch ce own rows", cudaGetLastError());
       } else if (err.empty()) {
-        err = ce_plan_wait(st, *w, *me, epoch, opt, started);
-        if (err.empty()) {
-          puts = segment_puts(me->h_plan, w->g.R, w->g.EL, me->rank, a.row_align, w->g.m_cap);
-          err = ce_rows(st, *w, *me, a, epoch, puts, /*peers=*/false);
-        }
+        err = ce_plan_wait(st, *w, *me, epoch, opt, started, puts);
+        if (err.empty()) err = ce_rows(st, *w, *me, a, epoch, puts, /*peers=*/false);
       }
       if (!err.empty()) return err;
       busy_sms = 1;  // left to the driver (a peer copy's kernel, if it uses one), not the GEMM
@@ -637,9 +638,8 @@ std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendVi
   }
   if (w->engine == kCopyEngine && !absent) {
     if (own_kernel) {  // the plan, on the side stream: XLA's now holds the GEMM
-      err = ce_plan_wait(me->side, *w, *me, me->epoch, opt, started);
+      err = ce_plan_wait(me->side, *w, *me, me->epoch, opt, started, puts);
       if (!err.empty()) return err;
-      puts = segment_puts(me->h_plan, w->g.R, w->g.EL, me->rank, a.row_align, w->g.m_cap);
     }
     err = ce_rows(me->side, *w, *me, a, me->epoch, puts, /*peers=*/true,
                   timed ? me->marks[kFirstChunk] : nullptr);
@@ -656,7 +656,6 @@ std::string dispatch(void* stream, int64_t id, const EpGeometry& g, const SendVi
     JSM_CUDA_TRY("dispatch join", cudaStreamWaitEvent(st, me->join, 0));
   }
   me->marks_pending = timed;
-  me->first_chunk_marked = timed && w->engine == kCopyEngine;
   return "";
 }
 
