@@ -1,12 +1,13 @@
 // XLA FFI handlers of the Stage1 custom calls on the `cpu` platform. Each one checks what it is
 // handed and calls into kernels/cpu; shapes were already validated at trace time in Python.
-#include "cpu_handlers.h"
+#include "ffi/cpu_handlers.h"
 
 #include <string>
 
-#include "kernels/cpu/dispatch.h"
+#include "ffi/handler_util.h"
+#include "ffi/signatures.h"
 #include "kernels/common/mxfp8.h"
-#include "signatures.h"
+#include "kernels/cpu/dispatch.h"
 #include "kernels/cpu/stage.h"
 
 namespace ffi = xla::ffi;
@@ -14,22 +15,9 @@ namespace ffi = xla::ffi;
 namespace {
 
 using namespace jsm::sig;  // the buffer aliases
-
-ffi::Error check_dtype(const ffi::AnyBuffer& b, ffi::DataType want, const char* what) {
-  if (b.element_type() != want)
-    return ffi::Error::InvalidArgument(std::string("jax_sdma_moe: ") + what +
-                                       " has the wrong element type");
-  return ffi::Error::Success();
-}
-
-#define JSM_RETURN_IF_ERROR(expr)          \
-  do {                                     \
-    ffi::Error _e = (expr);                \
-    if (!_e.success()) return _e;          \
-  } while (0)
-
-int64_t rows_of(const ffi::AnyBuffer& b) { return b.dimensions().size() == 0 ? 1 : b.dimensions()[0]; }
-int64_t last_dim(const ffi::AnyBuffer& b) { return b.dimensions().back(); }
+using jsm::handler::check_dtype;
+using jsm::handler::last_dim;
+using jsm::handler::rows_of;
 
 ffi::Error QuantizeImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> values,
                         ffi::Result<ffi::AnyBuffer> scales) {
@@ -100,13 +88,14 @@ ffi::Error DispatchImpl(ffi::AnyBuffer values, ffi::AnyBuffer scales, S32Vec tok
                         ffi::Result<S32Vec> expert_offsets,
                         ffi::Result<S32Vec> expert_counts,
                         ffi::Result<S32Scalar> num_rows, ffi::Result<S32Scalar> overflow,
-                        int64_t runtime_id, int64_t row_align, double timeout_s,
-                        int64_t fault_absent_rank, int64_t fault_delay_rank, int64_t fault_delay_ms) {
+                        jsm::DispatchOptions opt) {
+  // engine local (R = 1) places the rows directly; engine cpu runs the window protocol
+  if (opt.engine != jsm::EngineId::kCpu && opt.engine != jsm::EngineId::kLocal)
+    return jsm::handler::wrong_engine("dispatch (cpu)", opt.engine, "engines cpu and local");
   JSM_RETURN_IF_ERROR(check_dtype(values, ffi::DataType::F8E4M3FN, "dispatch values"));
   JSM_RETURN_IF_ERROR(check_dtype(*out_values, ffi::DataType::F8E4M3FN, "dispatch landed values"));
   jsm::DispatchGeometry g{send_counts.dimensions()[0], send_counts.dimensions()[1], last_dim(values),
                           rows_of(*out_values), rows_of(values)};
-  jsm::DispatchOptions opt{row_align, timeout_s, fault_absent_rank, fault_delay_rank, fault_delay_ms};
   jsm::SendView send{static_cast<const uint8_t*>(values.untyped_data()),
                      static_cast<const uint8_t*>(scales.untyped_data()),
                      token.typed_data(), slot.typed_data(), weight.typed_data(),
@@ -116,7 +105,12 @@ ffi::Error DispatchImpl(ffi::AnyBuffer values, ffi::AnyBuffer scales, S32Vec tok
                       src_rank->typed_data(), out_token->typed_data(), out_slot->typed_data(),
                       out_weight->typed_data(), expert_offsets->typed_data(),
                       expert_counts->typed_data(), num_rows->typed_data(), overflow->typed_data()};
-  std::string err = jsm::dispatch_cpu(runtime_id, *rank.typed_data(), g, opt, send, out);
+  if (opt.engine == jsm::EngineId::kLocal) {
+    const std::string err = jsm::dispatch_local_cpu(g, opt, send, out);
+    if (!err.empty()) return ffi::Error::InvalidArgument("jax_sdma_moe dispatch (cpu): " + err);
+    return ffi::Error::Success();
+  }
+  std::string err = jsm::dispatch_cpu(*rank.typed_data(), g, opt, send, out);
   if (!err.empty()) return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, err);
   return ffi::Error::Success();
 }
@@ -124,12 +118,12 @@ ffi::Error DispatchImpl(ffi::AnyBuffer values, ffi::AnyBuffer scales, S32Vec tok
 ffi::Error Gemm1Impl(ffi::AnyBuffer a_values, ffi::AnyBuffer a_scales,
                      S32Vec expert_offsets, S32Vec expert_counts,
                      ffi::AnyBuffer w_values, ffi::AnyBuffer w_scales, ffi::RemainingRets rets,
-                     bool has_limit, float swiglu_limit) {
+                     jsm::Gemm1Options opt) {
   JSM_RETURN_IF_ERROR(check_dtype(a_values, ffi::DataType::F8E4M3FN, "gemm1 rows"));
   JSM_RETURN_IF_ERROR(check_dtype(w_values, ffi::DataType::F8E4M3FN, "gemm1 weights"));
   const auto wd = w_values.dimensions();  // [EL, 2I, H]
-  jsm::Gemm1Problem p{rows_of(a_values), last_dim(a_values), wd[1] / 2, wd[0], has_limit,
-                      swiglu_limit};
+  jsm::Gemm1Problem p{rows_of(a_values), last_dim(a_values), wd[1] / 2, wd[0], opt.has_limit,
+                      opt.swiglu_limit};
   const auto* av = static_cast<const uint8_t*>(a_values.untyped_data());
   const auto* as = static_cast<const uint8_t*>(a_scales.untyped_data());
   const auto* wv = static_cast<const uint8_t*>(w_values.untyped_data());

@@ -1,5 +1,7 @@
 // pybind11 module: hands each FFI handler to Python as a capsule (registered with
-// jax.ffi.register_ffi_target, one target name per stage) and owns the cpu engine's Runtime table.
+// jax.ffi.register_ffi_target, one target name per stage), exports the engine ids the handlers'
+// `dispatch` attribute carries, and creates and frees the Runtimes' windows (the cpu engine's
+// window tables, the ce/sm engines' window sets).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -9,12 +11,13 @@
 #include <vector>
 #include <utility>
 
-#include "cpu_handlers.h"
-#ifdef JSM_WITH_CUDA
-#include "cuda_ep.h"
-#include "cuda_handlers.h"
-#endif
+#include "ffi/cpu_handlers.h"
+#include "kernels/common/options.h"
 #include "kernels/cpu/dispatch.h"
+#ifdef JSM_WITH_CUDA
+#include "ffi/cuda_handlers.h"
+#include "kernels/cuda/ep/engine.h"
+#endif
 
 namespace py = pybind11;
 
@@ -43,26 +46,34 @@ PYBIND11_MODULE(_jsm_ffi, m) {
                     {"gemm1", JsmGemm1Cuda}, {"check_overflow", JsmCheckOverflowCuda},
                     {"dispatch_gemm1", JsmDispatchGemm1Cuda},
                     {"dispatch_graph", JsmDispatchGraphCuda},
-                    {"dispatch_gemm1_graph", JsmDispatchGemm1GraphCuda},
-                    {"qpack_local", JsmQpackLocalCuda}});
+                    {"dispatch_gemm1_graph", JsmDispatchGemm1GraphCuda}});
   });
 #endif
-  m.def("runtime_create", &jsm::runtime_create, py::arg("num_ranks"));
+  m.attr("ENGINE_IDS") = py::dict(
+      py::arg("local") = int64_t(jsm::EngineId::kLocal), py::arg("cpu") = int64_t(jsm::EngineId::kCpu),
+      py::arg("ce") = int64_t(jsm::EngineId::kCe), py::arg("sm") = int64_t(jsm::EngineId::kSm));
+  // The cpu engine's window table of a Runtime: its id is the `dispatch` attribute's window_set.
+  m.def("cpu_windows_create", &jsm::cpu_windows_create, py::arg("num_ranks"));
+  m.def("cpu_windows_destroy", &jsm::cpu_windows_destroy, py::arg("table_id"));
 #ifdef JSM_WITH_CUDA
-  // The ce/sm engines' windows: created per dispatch geometry by jax_sdma_moe.runtime.
+  // The ce/sm engines' window sets: created per dispatch geometry by jax_sdma_moe.runtime; an id
+  // is the `dispatch` attribute's window_set.
   auto check = [](const std::string& err) {
     if (!err.empty()) throw std::runtime_error(err);
   };
   m.def("ep_windows_create",
-        [](int64_t R, int engine, int sm_blocks, int64_t H, int64_t EL, int64_t m_cap,
+        [](int64_t R, int64_t engine_id, int sm_blocks, int64_t H, int64_t EL, int64_t m_cap,
            int64_t send_rows, std::vector<int64_t> ranks, std::vector<int64_t> devices) {
           std::string err;
           const int64_t id = jsm::ep::windows_create(
-              engine, sm_blocks, jsm::cuda::EpGeometry{R, EL, H, m_cap, send_rows}, ranks,
-              devices, &err);
+              jsm::EngineId(engine_id), sm_blocks, jsm::DispatchGeometry{R, EL, H, m_cap, send_rows},
+              ranks, devices, &err);
           if (id == 0) throw std::runtime_error(err);
           return id;
-        });
+        },
+        py::arg("num_ranks"), py::arg("engine_id"), py::arg("sm_blocks"), py::arg("hidden"),
+        py::arg("local_experts"), py::arg("m_cap"), py::arg("send_rows"), py::arg("ranks"),
+        py::arg("devices"));
   m.def("ep_windows_connect_local", [check](int64_t id) { check(jsm::ep::windows_connect_local(id)); });
   m.def("ep_window_ipc_handle", [check](int64_t id, int64_t rank) {
     std::string h;
@@ -81,9 +92,7 @@ PYBIND11_MODULE(_jsm_ffi, m) {
                           py::arg("plan_us") = h.plan_us,
                           py::arg("plan_stream_us") = h.plan_stream_us,
                           py::arg("enqueue_us") = h.enqueue_us,
-                          py::arg("own_enqueue_us") = h.own_enqueue_us,
                           py::arg("copies") = h.copies, py::arg("single_copies") = h.single_copies,
-                          py::arg("own_copies") = h.own_copies,
                           py::arg("batch_error") = h.batch_error,
                           py::arg("timed_calls") = h.timed_calls,
                           py::arg("first_chunk_calls") = h.first_chunk_calls,
@@ -93,10 +102,7 @@ PYBIND11_MODULE(_jsm_ffi, m) {
                           py::arg("first_chunk_us") = h.first_chunk_us));
     return out;
   });
-  m.attr("EP_ENGINES") = py::dict(py::arg("ce") = int(jsm::ep::kCopyEngine),
-                                  py::arg("sm") = int(jsm::ep::kSmEngine));
 #endif
-  m.def("runtime_destroy", &jsm::runtime_destroy, py::arg("runtime_id"));
   m.def("has_cuda", [] {
 #ifdef JSM_WITH_CUDA
     return true;

@@ -6,6 +6,7 @@
 
 #include <utility>
 
+#include "ffi/options.h"  // the decoding of DispatchOptions and Gemm1Options
 #include "xla/ffi/api/ffi.h"
 
 namespace jsm {
@@ -61,13 +62,16 @@ auto layout_rets(B&& b) {
       .template Ret<S32Scalar>();
 }
 
-// the dispatch attributes (DispatchOptions and the Runtime's window set)
+// attribute `dispatch`: the engine, the Runtime's window set and the protocol's options
 template <class B>
 auto dispatch_attrs(B&& b) {
-  return std::move(b)
-      .template Attr<int64_t>("runtime_id").template Attr<int64_t>("row_align")
-      .template Attr<double>("timeout_s").template Attr<int64_t>("fault_absent_rank")
-      .template Attr<int64_t>("fault_delay_rank").template Attr<int64_t>("fault_delay_ms");
+  return std::move(b).template Attr<DispatchOptions>("dispatch");
+}
+
+// attribute `gemm1`: the epilogue's limit and the kernel variant
+template <class B>
+auto gemm1_attrs(B&& b) {
+  return std::move(b).template Attr<Gemm1Options>("gemm1");
 }
 
 // send buffer <- x bf16 [T, H], weights [T, K], send_pos [T, K]
@@ -84,16 +88,6 @@ auto pack(B b) {
                               .template Arg<F32Mat>().template Arg<S32Mat>());
 }
 
-// the landed rows (as dispatch's) <- x bf16 [T, H], weights [T, K], send_pos [T, K],
-// send_counts [1, EL]: engine local's qpack + dispatch in one call
-template <class B>
-auto qpack_local(B b) {
-  return layout_rets(std::move(b)
-                         .template Arg<BF16Mat>().template Arg<F32Mat>().template Arg<S32Mat>()
-                         .template Arg<S32Mat>().template Ret<Any>().template Ret<Any>())
-      .template Attr<int64_t>("row_align");
-}
-
 // landed rows (values, scales, src_rank, token, slot, weight, expert_offsets, expert_counts,
 // num_rows, overflow) <- send buffer, send_counts [R, EL], rank
 template <class B>
@@ -107,21 +101,19 @@ auto dispatch(B b) {
 // send_counts [R, EL], rank, w1 values, w1 scales
 template <class B>
 auto dispatch_gemm1(B b) {
-  return dispatch_attrs(
-             layout_rets(dispatch_args(std::move(b)).template Arg<Any>().template Arg<Any>())
-                 .RemainingRets())
-      .template Attr<bool>("has_limit")
-      .template Attr<float>("swiglu_limit");
+  return gemm1_attrs(dispatch_attrs(
+      layout_rets(dispatch_args(std::move(b)).template Arg<Any>().template Arg<Any>())
+          .RemainingRets()));
 }
 
 // h (bf16) or (h values, h scales) <- landed values, scales, expert_offsets, expert_counts,
 // w1 values, w1 scales
 template <class B>
 auto gemm1(B b) {
-  return std::move(b)
-      .template Arg<Any>().template Arg<Any>().template Arg<S32Vec>().template Arg<S32Vec>()
-      .template Arg<Any>().template Arg<Any>().RemainingRets()
-      .template Attr<bool>("has_limit").template Attr<float>("swiglu_limit");
+  return gemm1_attrs(std::move(b)
+                         .template Arg<Any>().template Arg<Any>().template Arg<S32Vec>()
+                         .template Arg<S32Vec>().template Arg<Any>().template Arg<Any>()
+                         .RemainingRets());
 }
 
 // overflow (passed through; the call fails if > 0) <- overflow, rank

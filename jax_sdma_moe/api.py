@@ -1,16 +1,15 @@
 """Public entry points: stage1, quantize, quantize_w1 (DESIGN.md §2)."""
 from __future__ import annotations
 
-import os
 from typing import Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import layout, primitives, reference, xla_engine
+from . import layout, primitives, reference
 from .layout import BLOCK
-from .runtime import FFI_DISPATCH_ENGINES, WINDOW_ENGINES, Runtime
+from .runtime import Runtime
 from .types import MXFP8, Landed, QuantizedW1, SendBuffer, Stage1Output
 
 F8 = jnp.dtype(jnp.float8_e4m3fn)
@@ -87,31 +86,19 @@ def _check_inputs(x, ids, weights, w1q):
   return T, H, ids.shape[1], EL
 
 
-def fused_gemm1_ok(hidden: int, row_align: int) -> bool:
-  """Whether engines ce/sm run gemm1 fused with the dispatch (reading each expert's rows from the
-  landing window as they arrive). The GEMM caches scale rows in L1, so an expert's scale rows
-  must not share a 128-byte line with another expert's: row_align * H/32 % 128 == 0 (true for
-  the default row_align of 128). Otherwise the rows are copied out first (dispatch, then gemm1)."""
-  return row_align * (hidden // BLOCK) % 128 == 0
-
-
 def dispatch(send: SendBuffer, send_counts: jax.Array, *, runtime: Runtime, cap: int) -> Landed:
-  """The dispatch stage with the Runtime's engine: this rank's send buffer -> its landed rows."""
-  cfg = runtime.config
-  if runtime.engine in FFI_DISPATCH_ENGINES:
-    if runtime.engine in WINDOW_ENGINES:
-      target = runtime.dispatch_window(send.values.shape[1], send_counts.shape[1], cap,
-                                       send.values.shape[0])
-    else:
-      target = runtime.runtime_id
-    return primitives.dispatch(
-        send, send_counts, lax.axis_index(runtime.axis_name), runtime_id=target,
-        cap=cap, row_align=cfg.row_align, timeout_s=cfg.timeout_s,
-        fault_absent_rank=cfg.fault_absent_rank, fault_delay_rank=cfg.fault_delay_rank,
-        fault_delay_ms=cfg.fault_delay_ms, graph=runtime.engine == "sm")
-  return xla_engine.dispatch(send, send_counts, axis_name=runtime.axis_name,
-                             num_ranks=runtime.num_ranks, cap=cap, row_align=cfg.row_align,
-                             ragged=runtime.platform != "cpu")
+  """The dispatch stage alone with the Runtime's engine (inside shard_map): this rank's send
+  buffer -> its landed rows. stage1 runs it fused with gemm1 where the engine does."""
+  return runtime.engine.dispatch(send, send_counts, lax.axis_index(runtime.axis_name), cap=cap)
+
+
+def call_bytes(R: int, T: int, H: int, I: int, K: int, cap: int, out_dtype: str) -> int:
+  """Device bytes one stage1 call holds per rank at most: the send buffer, the landed rows with
+  their headers, two parity slots of landing windows (engines with windows; engine xla's
+  received rows take as much), and h."""
+  row = H + H // BLOCK + 16
+  h_row = I * 2 if out_dtype == "bf16" else I + I // BLOCK
+  return T * K * row + cap * (3 * row + h_row)
 
 
 def stage1(x: Union[jax.Array, MXFP8], topk, w1q: QuantizedW1, *, runtime: Runtime,
@@ -134,41 +121,23 @@ def stage1(x: Union[jax.Array, MXFP8], topk, w1q: QuantizedW1, *, runtime: Runti
     raise ValueError(f"stage1 must be called inside jax.shard_map over axis {axis!r}") from e
   if axis_size != R:
     raise ValueError(f"stage1: axis {axis!r} has {axis_size} ranks but the Runtime has {R}")
+  cap = layout.m_cap(R, T, K, EL, cfg.row_align, cfg.max_recv_rows)
+  I = w1q.values.shape[1] // 2
+  runtime.check_memory(f"T = {T} tokens of H = {H} with M_cap = {cap} landing rows",
+                       call_bytes(R, T, H, I, K, cap, cfg.out_dtype))
   ids = ids.astype(jnp.int32)
   weights = jnp.ones(ids.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
-  cap = layout.m_cap(R, T, K, EL, cfg.row_align, cfg.max_recv_rows)
   rank = lax.axis_index(axis)
 
   route = primitives.route(ids, R, EL)
-  h = None  # set when the GEMM is fused with the dispatch
-  if (runtime.engine == "local" and runtime.platform == "cuda" and not isinstance(x, MXFP8)
-      and os.environ.get("JSM_LOCAL_FUSED") == "1"):
-    # experimental until it has run on a GPU: qpack stores rows at their landing rows
-    landed = primitives.qpack_local(x, weights, route.send_pos, route.send_counts, cap=cap,
-                                    row_align=cfg.row_align)
+  if isinstance(x, MXFP8):
+    send = primitives.pack(x, weights, route.send_pos)
   else:
-    if isinstance(x, MXFP8):
-      send = primitives.pack(x, weights, route.send_pos)
-    else:
-      send = primitives.qpack(x, weights, route.send_pos)
-    if runtime.engine in WINDOW_ENGINES and fused_gemm1_ok(H, cfg.row_align):
-      landed, h = primitives.dispatch_gemm1(
-          send, route.send_counts, rank, w1q,
-          runtime_id=runtime.dispatch_window(H, EL, cap, send.values.shape[0]), cap=cap,
-          row_align=cfg.row_align, timeout_s=cfg.timeout_s, swiglu_limit=cfg.swiglu_limit,
-          out_dtype=cfg.out_dtype, fault_absent_rank=cfg.fault_absent_rank,
-          fault_delay_rank=cfg.fault_delay_rank, fault_delay_ms=cfg.fault_delay_ms,
-          graph=runtime.engine == "sm")
-    else:
-      landed = dispatch(send, route.send_counts, runtime=runtime, cap=cap)
-  if h is None:
-    h = primitives.gemm1(landed.values, landed.scales, landed.expert_offsets,
-                         landed.expert_counts, w1q, swiglu_limit=cfg.swiglu_limit,
-                         out_dtype=cfg.out_dtype)
+    send = primitives.qpack(x, weights, route.send_pos)
+  landed, h = runtime.engine.dispatch_gemm1(send, route.send_counts, rank, w1q, cap=cap)
   # check=True fails inside the computation (an FFI error), which works on every platform; the
   # count passes through the check so XLA cannot drop it
   overflow = primitives.check_overflow(landed.overflow, rank, cap) if check else landed.overflow
   return Stage1Output(h, landed.expert_offsets, landed.expert_counts, landed.src_rank,
                       landed.src_token, landed.topk_slot, landed.topk_weight, landed.num_rows,
                       route.num_invalid, overflow)
-

@@ -4,7 +4,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-ENGINES = ("cpu", "local", "xla", "ce", "sm", "sdma")
+from . import engines
+
+ENGINE_NAMES = (*engines.ENGINES, *engines.NOT_BUILT)
 OUT_DTYPES = ("bf16", "mxfp8")
 
 
@@ -24,12 +26,12 @@ SHAPES = {
     "v4pro": MoEShape("v4pro", 7168, 3072, 384, 6, 10.0),
     "small": MoEShape("small", 256, 128, 16, 4),
 }
-BENCH_TOKENS = (128, 1024, 2048, 4096, 8192)
 
 
 @dataclasses.dataclass(frozen=True)
 class Stage1Config:
-  """Static settings of a Stage1 call.
+  """Static settings of a Stage1 call: every option there is (the library reads no environment
+  variables), and, being a frozen dataclass, part of the jit cache key.
 
   engine: how rows move between ranks: "cpu" (memcpy between the virtual CPU devices of one
     process through the Runtime's windows), "local" (one rank: all experts on this device, rows
@@ -57,8 +59,9 @@ class Stage1Config:
   sm_dispatch_blocks: int = 24
 
   def __post_init__(self):
-    if self.engine is not None and self.engine not in ENGINES:
-      raise ValueError(f"Stage1Config.engine must be one of {ENGINES} or None, got {self.engine!r}")
+    if self.engine is not None and self.engine not in ENGINE_NAMES:
+      raise ValueError(f"Stage1Config.engine must be one of {ENGINE_NAMES} or None, got "
+                       f"{self.engine!r}")
     if not isinstance(self.row_align, int) or self.row_align < 1:
       raise ValueError(f"Stage1Config.row_align must be a positive int, got {self.row_align!r}")
     if self.max_recv_rows is not None and (not isinstance(self.max_recv_rows, int)

@@ -1,13 +1,16 @@
-"""One JAX primitive per Stage1 custom call (DESIGN.md §5): abstract evaluation, and lowering to
-the FFI target of the same stage through jax.ffi.ffi_lowering on every platform that has it.
+"""One JAX primitive per Stage1 custom call (docs/DESIGN.md §5): abstract evaluation, and lowering
+to the FFI target of the same stage through jax.ffi.ffi_lowering on every platform that has it.
 
-Static sizes travel as primitive parameters; only the ones a handler reads become FFI attributes
-(NumPy scalars, identical on every shard). The rank is an operand.
+Static sizes travel as primitive parameters. The options a handler reads travel as one struct per
+concern (`DispatchOptions`, `Gemm1Options`), lowered to one XLA FFI dictionary attribute each and
+decoded by the handlers into the C++ struct of the same name (kernels/common/options.h). The rank
+is an operand.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Optional, Sequence
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -20,15 +23,16 @@ from .types import MXFP8, Landed, Route, SendBuffer
 
 F8 = jnp.float8_e4m3fn
 TARGET_PREFIX = "jsm_"
-STAGES = ("quantize", "route", "qpack", "pack", "dispatch", "gemm1", "check_overflow",
-          "dispatch_gemm1", "dispatch_graph", "dispatch_gemm1_graph", "qpack_local")
 # calls XLA must neither drop nor merge
-SIDE_EFFECTS = frozenset({"dispatch", "check_overflow", "dispatch_gemm1", "dispatch_graph",
-                          "dispatch_gemm1_graph"})
+SIDE_EFFECTS = frozenset({"dispatch", "check_overflow", "dispatch_gemm1"})
+# stages with a second target, the same handler registered as safe for XLA's command buffers
+# (CUDA graphs); the primitive's `graph` parameter picks it at lowering
+GRAPH_TARGET = "_graph"
 
 
 @functools.cache
-def _extension():
+def extension():
+  """The compiled module (_jsm_ffi): FFI handler capsules and the window registries."""
   try:
     from . import _jsm_ffi
   except ImportError as e:  # pragma: no cover - an install problem, not a runtime path
@@ -42,7 +46,7 @@ def _extension():
 def registered_platforms() -> frozenset:
   """Registers every FFI target once (after the backends exist) and names the platforms."""
   jax.devices()  # FFI types must be registered after the backend is created
-  ext = _extension()
+  ext = extension()
   platforms = {"cpu"}
   for stage, capsule in ext.cpu_targets().items():
     jax.ffi.register_ffi_target(TARGET_PREFIX + stage, capsule, platform="cpu")
@@ -53,20 +57,62 @@ def registered_platforms() -> frozenset:
   return frozenset(platforms)
 
 
+# --- options: one struct per concern, one FFI dictionary attribute each -----------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchOptions:
+  """What a dispatch handler reads (C++: jsm::DispatchOptions). engine: the engine's name;
+  window_set: the Runtime's handle in the engine's window registry (0: none, engine local)."""
+  engine: str
+  window_set: int
+  row_align: int
+  timeout_s: float
+  fault_absent_rank: int = -1
+  fault_delay_rank: int = -1
+  fault_delay_ms: int = 0
+
+  def ffi_attr(self) -> dict:
+    ids = extension().ENGINE_IDS
+    if self.engine not in ids:
+      raise ValueError(f"engine {self.engine!r} has no dispatch custom call (those: {sorted(ids)})")
+    return {"engine": np.int64(ids[self.engine]), "window_set": np.int64(self.window_set),
+            "row_align": np.int64(self.row_align), "timeout_s": np.float64(self.timeout_s),
+            "fault_absent_rank": np.int64(self.fault_absent_rank),
+            "fault_delay_rank": np.int64(self.fault_delay_rank),
+            "fault_delay_ms": np.int64(self.fault_delay_ms)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemm1Options:
+  """What a gemm1 handler reads (C++: jsm::Gemm1Options): the SwiGLU clamp and the output."""
+  swiglu_limit: Optional[float] = None
+  out_dtype: str = "bf16"
+
+  def ffi_attr(self) -> dict:
+    return {"has_limit": np.bool_(self.swiglu_limit is not None),
+            "swiglu_limit": np.float32(self.swiglu_limit or 0.0)}
+
+
 def _aval(shape, dtype):
   return jax.core.ShapedArray(tuple(int(s) for s in shape), dtype)
 
 
-def _make(stage: str, abstract_eval, attrs: Sequence[str] = ()):
+def _make(stage: str, abstract_eval, attrs=lambda params: {}, graph_target: bool = False):
+  """The primitive of one stage. attrs(params) -> the FFI attributes of a lowering."""
   prim = Primitive(TARGET_PREFIX + stage)
   prim.multiple_results = True
   prim.def_abstract_eval(abstract_eval)
   # eager calls run the primitive as a one-op jit
   prim.def_impl(lambda *args, **params: jax.jit(functools.partial(prim.bind, **params))(*args))
-  rule = jax.ffi.ffi_lowering(TARGET_PREFIX + stage, has_side_effect=stage in SIDE_EFFECTS)
+  side_effect = stage in SIDE_EFFECTS
+  rules = {False: jax.ffi.ffi_lowering(TARGET_PREFIX + stage, has_side_effect=side_effect)}
+  if graph_target:
+    rules[True] = jax.ffi.ffi_lowering(TARGET_PREFIX + stage + GRAPH_TARGET,
+                                       has_side_effect=side_effect)
 
   def lowering(ctx, *args, **params):
-    return rule(ctx, *args, **{k: params[k] for k in attrs})
+    return rules[bool(params.get("graph", False))](ctx, *args, **attrs(params))
 
   for platform in ("cpu", "cuda"):
     mlir.register_lowering(prim, lowering, platform=platform)
@@ -124,117 +170,88 @@ def pack(x: MXFP8, weights: jax.Array, send_pos: jax.Array) -> SendBuffer:
 
 # --- dispatch --------------------------------------------------------------------------------
 
-_DISPATCH_ATTRS = ("runtime_id", "row_align", "timeout_s", "fault_absent_rank",
-                   "fault_delay_rank", "fault_delay_ms")
+
+def _layout_avals(cap, EL):
+  """src_rank, token, slot, weight, expert_offsets, expert_counts, num_rows, overflow."""
+  return (*[_aval((cap,), jnp.int32)] * 3, _aval((cap,), jnp.float32), _aval((EL,), jnp.int32),
+          _aval((EL,), jnp.int32), _aval((), jnp.int32), _aval((), jnp.int32))
 
 
 def _dispatch_abstract(values, scales, token, slot, weight, send_counts, rank, *, cap, **_):
-  EL, H = send_counts.shape[1], values.shape[-1]
+  H = values.shape[-1]
   return (_aval((cap, H), F8), _aval((cap, H // BLOCK), jnp.uint8),
-          *[_aval((cap,), jnp.int32)] * 3, _aval((cap,), jnp.float32),
-          _aval((EL,), jnp.int32), _aval((EL,), jnp.int32), _aval((), jnp.int32),
-          _aval((), jnp.int32))
+          *_layout_avals(cap, send_counts.shape[1]))
 
 
-_dispatch_p = _make("dispatch", _dispatch_abstract, _DISPATCH_ATTRS)
-# engine sm (CUDA): the same handler, declared safe for XLA's command buffers (CUDA graphs)
-_dispatch_graph_p = _make("dispatch_graph", _dispatch_abstract, _DISPATCH_ATTRS)
+_dispatch_p = _make("dispatch", _dispatch_abstract,
+                    lambda p: {"dispatch": p["options"].ffi_attr()}, graph_target=True)
 
 
-def dispatch(send: SendBuffer, send_counts: jax.Array, rank: jax.Array, *, runtime_id: int,
-             cap: int, row_align: int, timeout_s: float, fault_absent_rank: int = -1,
-             fault_delay_rank: int = -1, fault_delay_ms: int = 0, graph: bool = False) -> Landed:
-  """graph: the command-buffer-compatible target (engine sm only)."""
-  return Landed(*_bind(
-      _dispatch_graph_p if graph else _dispatch_p, *send, send_counts, rank.astype(jnp.int32), cap=int(cap),
-      runtime_id=np.int64(runtime_id), row_align=np.int64(row_align),
-      timeout_s=np.float64(timeout_s), fault_absent_rank=np.int64(fault_absent_rank),
-      fault_delay_rank=np.int64(fault_delay_rank), fault_delay_ms=np.int64(fault_delay_ms)))
+def dispatch(send: SendBuffer, send_counts: jax.Array, rank: jax.Array, *, cap: int,
+             options: DispatchOptions, graph: bool = False) -> Landed:
+  """graph: lower to the command-buffer-compatible target (engines whose calls have no host
+  step)."""
+  return Landed(*_bind(_dispatch_p, *send, send_counts, rank.astype(jnp.int32), cap=int(cap),
+                       options=options, graph=bool(graph)))
 
 
 # --- gemm1 -----------------------------------------------------------------------------------
 
 
-def _gemm1_abstract(values, scales, offsets, counts, w_values, w_scales, *, out_mxfp8, **_):
-  M, I = values.shape[0], w_values.shape[1] // 2
-  if out_mxfp8:
+def _h_avals(M, I, out_dtype):
+  if out_dtype == "mxfp8":
     return _aval((M, I), F8), _aval((M, I // BLOCK), jnp.uint8)
   return (_aval((M, I), jnp.bfloat16),)
 
 
-_gemm1_p = _make("gemm1", _gemm1_abstract, ("has_limit", "swiglu_limit"))
+def _gemm1_abstract(values, scales, offsets, counts, w_values, w_scales, *, options):
+  return _h_avals(values.shape[0], w_values.shape[1] // 2, options.out_dtype)
+
+
+_gemm1_p = _make("gemm1", _gemm1_abstract, lambda p: {"gemm1": p["options"].ffi_attr()})
+
+
+def _h(outs, options: Gemm1Options):
+  return MXFP8(*outs) if options.out_dtype == "mxfp8" else outs[0]
 
 
 def gemm1(landed_values: jax.Array, landed_scales: jax.Array, expert_offsets: jax.Array,
-          expert_counts: jax.Array, w1, *, swiglu_limit: Optional[float], out_dtype: str):
-  outs = _bind(_gemm1_p, landed_values, landed_scales, expert_offsets, expert_counts, w1.values,
-               w1.scales, out_mxfp8=out_dtype == "mxfp8",
-               has_limit=np.bool_(swiglu_limit is not None),
-               swiglu_limit=np.float32(swiglu_limit or 0.0))
-  return MXFP8(*outs) if out_dtype == "mxfp8" else outs[0]
-
-
-# --- qpack_local (engine local on CUDA: qpack + dispatch, rows stored at their landing rows) --
-
-
-def _qpack_local_abstract(x, weights, send_pos, send_counts, *, cap, **_):
-  H = x.shape[-1]
-  return _dispatch_abstract(_aval((1, H), F8), None, None, None, None, send_counts, None, cap=cap)
-
-
-_qpack_local_p = _make("qpack_local", _qpack_local_abstract, ("row_align",))
-
-
-def qpack_local(x: jax.Array, weights: jax.Array, send_pos: jax.Array, send_counts: jax.Array, *,
-                cap: int, row_align: int) -> Landed:
-  """R = 1 (CUDA): each row quantised once and stored straight at its landing row."""
-  return Landed(*_bind(_qpack_local_p, x, weights, send_pos, send_counts, cap=int(cap),
-                       row_align=np.int64(row_align)))
+          expert_counts: jax.Array, w1, *, options: Gemm1Options):
+  return _h(_bind(_gemm1_p, landed_values, landed_scales, expert_offsets, expert_counts,
+                  w1.values, w1.scales, options=options), options)
 
 
 # --- dispatch_gemm1 (engines ce, sm: the GEMM starts each expert as its rows land) ----------
 
 
 def _dispatch_gemm1_abstract(values, scales, token, slot, weight, send_counts, rank, w_values,
-                             w_scales, *, cap, out_mxfp8, **_):
-  EL, I = send_counts.shape[1], w_values.shape[1] // 2
-  h = ((_aval((cap, I), F8), _aval((cap, I // BLOCK), jnp.uint8)) if out_mxfp8
-       else (_aval((cap, I), jnp.bfloat16),))
-  return (*[_aval((cap,), jnp.int32)] * 3, _aval((cap,), jnp.float32), _aval((EL,), jnp.int32),
-          _aval((EL,), jnp.int32), _aval((), jnp.int32), _aval((), jnp.int32), *h)
+                             w_scales, *, cap, gemm1_options, **_):
+  return (*_layout_avals(cap, send_counts.shape[1]),
+          *_h_avals(cap, w_values.shape[1] // 2, gemm1_options.out_dtype))
 
 
-_dispatch_gemm1_p = _make("dispatch_gemm1", _dispatch_gemm1_abstract,
-                          _DISPATCH_ATTRS + ("has_limit", "swiglu_limit"))
-_dispatch_gemm1_graph_p = _make("dispatch_gemm1_graph", _dispatch_gemm1_abstract,
-                                _DISPATCH_ATTRS + ("has_limit", "swiglu_limit"))
+_dispatch_gemm1_p = _make(
+    "dispatch_gemm1", _dispatch_gemm1_abstract,
+    lambda p: {"dispatch": p["options"].ffi_attr(), "gemm1": p["gemm1_options"].ffi_attr()},
+    graph_target=True)
 
 
-def dispatch_gemm1(send: SendBuffer, send_counts: jax.Array, rank: jax.Array, w1, *,
-                   runtime_id: int, cap: int, row_align: int, timeout_s: float,
-                   swiglu_limit: Optional[float], out_dtype: str, fault_absent_rank: int = -1,
-                   fault_delay_rank: int = -1, fault_delay_ms: int = 0, graph: bool = False):
-  """dispatch and gemm1 as one call (CUDA engines ce, sm): (Landed without the rows, h). graph:
-  the command-buffer-compatible target (engine sm only)."""
-  outs = _bind(
-      _dispatch_gemm1_graph_p if graph else _dispatch_gemm1_p, *send, send_counts, rank.astype(jnp.int32), w1.values, w1.scales,
-      cap=int(cap), out_mxfp8=out_dtype == "mxfp8", runtime_id=np.int64(runtime_id),
-      row_align=np.int64(row_align), timeout_s=np.float64(timeout_s),
-      fault_absent_rank=np.int64(fault_absent_rank), fault_delay_rank=np.int64(fault_delay_rank),
-      fault_delay_ms=np.int64(fault_delay_ms), has_limit=np.bool_(swiglu_limit is not None),
-      swiglu_limit=np.float32(swiglu_limit or 0.0))
-  src_rank, token, slot, weight, offsets, counts, num_rows, overflow = outs[:8]
-  landed = Landed(None, None, src_rank, token, slot, weight, offsets, counts, num_rows, overflow)
-  h = MXFP8(*outs[8:]) if out_dtype == "mxfp8" else outs[8]
-  return landed, h
+def dispatch_gemm1(send: SendBuffer, send_counts: jax.Array, rank: jax.Array, w1, *, cap: int,
+                   options: DispatchOptions, gemm1_options: Gemm1Options, graph: bool = False):
+  """dispatch and gemm1 as one call: (Landed without the rows, h)."""
+  outs = _bind(_dispatch_gemm1_p, *send, send_counts, rank.astype(jnp.int32), w1.values,
+               w1.scales, cap=int(cap), options=options, gemm1_options=gemm1_options,
+               graph=bool(graph))
+  landed = Landed(None, None, *outs[:8])
+  return landed, _h(outs[8:], gemm1_options)
 
 
 # --- check_overflow (stage1(check=True)) -----------------------------------------------------
 
 _check_overflow_p = _make("check_overflow", lambda overflow, rank, *, cap: (
-    _aval((), jnp.int32),), ("cap",))
+    _aval((), jnp.int32),), lambda p: {"cap": np.int64(p["cap"])})
 
 
 def check_overflow(overflow: jax.Array, rank: jax.Array, cap: int) -> jax.Array:
   """Passes `overflow` through; the call fails at run time, naming the rank, if it is > 0."""
-  return _bind(_check_overflow_p, overflow, rank.astype(jnp.int32), cap=np.int64(cap))[0]
+  return _bind(_check_overflow_p, overflow, rank.astype(jnp.int32), cap=int(cap))[0]

@@ -54,7 +54,7 @@ try:
 except ValueError as e:
   assert "spans several processes" in str(e), e
 rt = jsm.Runtime(mesh, "ep", cfg)
-assert jsm.Runtime(mesh, "ep").engine == "xla"
+assert jsm.Runtime(mesh, "ep").engine.name == "xla"
 f = jax.jit(jax.shard_map(
     lambda x, i, w, q: jax.tree.map(lambda a: a[None], jsm.stage1(x, (i, w), q, runtime=rt)),
     mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))

@@ -107,6 +107,13 @@ class ErrorsTest(parameterized.TestCase):
       jsm.reference.stage1(self.x.reshape(R, T, H), self.ids.reshape(R, T, K), None, w1q,
                            row_align=8, cap=64)
 
+  def test_capacity_beyond_device_memory(self):
+    """A landing capacity the device cannot hold is refused at trace time, naming the knob."""
+    rows = int(jsm.runtime.device_memory_bytes(jax.devices()[0]) // H) + 1
+    with jsm.Runtime(self.mesh, "ep", jsm.Stage1Config(engine="cpu", max_recv_rows=rows)) as rt:
+      with self.assertRaisesRegex(ValueError, r"GiB per rank.*lower Stage1Config\.max_recv_rows"):
+        self.stage1_with(runtime=rt)
+
   def test_closed_runtime(self):
     rt = jsm.Runtime(self.mesh, "ep", jsm.Stage1Config(engine="cpu"))
     rt.close()

@@ -1,4 +1,8 @@
 """stage1() under shard_map on 8 CPU devices against the jnp reference (DESIGN.md §2-§6)."""
+import os
+import subprocess
+import sys
+
 import _util
 
 import jax
@@ -159,6 +163,22 @@ class Stage1Test(parameterized.TestCase):
       with self.assertRaisesRegex(Exception, "did not fit M_cap"):
         jax.block_until_ready(_util.stage1_fn(m, rt, check=True)(
             *_util.shard(m, (x, ids, w)), _util.shard(m, w1q)))
+
+  def test_overflow_everywhere_and_clean_exit(self):
+    """Every rank overflows with check=True: each engine raises the project's error within
+    seconds (no hang in a collective, no abort), and a process that leaves its Runtimes open
+    exits without tracebacks."""
+    engines = ("cpu", "xla")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(os.path.dirname(__file__), "exit_worker.py"),
+         str(_util.rng().integers(2**31)), *engines],
+        capture_output=True, text=True, timeout=120)
+    self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+    for engine in engines:
+      self.assertRegex(proc.stdout, rf"{engine}: raised: .*rows routed to rank \d+ did not fit "
+                       r"M_cap = 16; raise Stage1Config.max_recv_rows")
+    self.assertNotIn("Exception ignored", proc.stderr)
+    self.assertNotIn("Traceback", proc.stderr)
 
   def test_delayed_rank(self):
     """One rank starts 300 ms late: the others wait for it, then all finish correctly."""

@@ -8,7 +8,7 @@ from absl.testing import absltest, parameterized
 from jax.sharding import PartitionSpec as P
 
 import jax_sdma_moe as jsm
-from jax_sdma_moe import primitives, reference, xla_engine
+from jax_sdma_moe import api, primitives, reference
 from jax_sdma_moe.types import Landed, SendBuffer
 
 
@@ -64,7 +64,7 @@ class LocalStagesTest(parameterized.TestCase):
     EL, H, I = 5, 160, 96
     values, scales, offs, cnts = self.random_landed(r, EL, H, row_align=16)
     w1 = jsm.quantize_w1(jnp.asarray(r.standard_normal((EL, 2 * I, H)) * 0.1, jnp.bfloat16))
-    got = jax.jit(lambda *a: primitives.gemm1(*a, swiglu_limit=limit, out_dtype=out_dtype))(
+    got = jax.jit(lambda *a: primitives.gemm1(*a, options=primitives.Gemm1Options(limit, out_dtype)))(
         values, scales, offs, cnts, w1)
     h32 = reference.gemm1_f32(values, scales, offs, cnts, w1, limit)
     if limit is not None:
@@ -80,8 +80,8 @@ class LocalStagesTest(parameterized.TestCase):
     values = values.at[bad, 3].set(jnp.nan)
     scales = scales.at[bad, 0].set(0xFF)
     w1 = jsm.quantize_w1(jnp.asarray(r.standard_normal((EL, 2 * I, H)), jnp.bfloat16))
-    h = np.asarray(primitives.gemm1(values, scales, offs, cnts, w1, swiglu_limit=None,
-                                    out_dtype="bf16"), np.float32)
+    h = np.asarray(primitives.gemm1(values, scales, offs, cnts, w1,
+                                    options=primitives.Gemm1Options()), np.float32)
     self.assertTrue(np.isnan(h[bad]).all())
     self.assertFalse(np.isnan(np.delete(h, bad, axis=0)).any())
 
@@ -107,13 +107,7 @@ class DispatchTest(parameterized.TestCase):
     with jsm.Runtime(m, "ep", cfg) as rt:
       def body(send, counts):
         send = jax.tree.map(lambda a: a[0], send)
-        if engine == "cpu":
-          landed = primitives.dispatch(send, counts[0], jax.lax.axis_index("ep"),
-                                       runtime_id=rt.runtime_id, cap=cap, row_align=row_align,
-                                       timeout_s=cfg.timeout_s)
-        else:
-          landed = xla_engine.dispatch(send, counts[0], axis_name="ep", num_ranks=R, cap=cap,
-                                       row_align=row_align, ragged=False)
+        landed = api.dispatch(send, counts[0], runtime=rt, cap=cap)
         return jax.tree.map(lambda a: a[None], landed)
       f = jax.jit(jax.shard_map(body, mesh=m, in_specs=P("ep"), out_specs=P("ep")))
       got = f(_util.shard(m, SendBuffer(*sends)), _util.shard(m, routes.send_counts))

@@ -1,11 +1,18 @@
 // What every dispatch engine reads and writes on one rank (framework-agnostic, host and device
-// pointers alike): the send buffer from qpack/pack, the landed rows in DESIGN.md §4 layout, and
-// the options that come in as FFI attributes.
+// pointers alike): the dispatch geometry, the send buffer from qpack/pack and the landed rows in
+// DESIGN.md §4 layout. The options that come in as FFI attributes are in options.h.
 #pragma once
 
 #include <stdint.h>
 
+#include "kernels/common/options.h"
+
 namespace jsm {
+
+// The static sizes of a dispatch: ranks, local experts, hidden, landed rows (M_cap), send rows.
+struct DispatchGeometry {
+  int64_t R, EL, H, m_cap, send_rows;
+};
 
 // A source rank's send buffer (from qpack/pack) and counts.
 struct SendView {
@@ -29,14 +36,6 @@ struct LandedView {
   int32_t* expert_counts;
   int32_t* num_rows;
   int32_t* overflow;
-};
-
-struct DispatchOptions {
-  int64_t row_align;
-  double timeout_s;
-  int64_t fault_absent_rank;  // this rank never takes part (tests the timeout path)
-  int64_t fault_delay_rank;   // this rank starts late by fault_delay_ms
-  int64_t fault_delay_ms;
 };
 
 }  // namespace jsm

@@ -1,4 +1,4 @@
-#include "dispatch.h"
+#include "kernels/cpu/dispatch.h"
 
 #include <chrono>
 #include <map>
@@ -8,11 +8,14 @@
 
 namespace jsm {
 
-bool DispatchGeometry::operator<(const DispatchGeometry& o) const {
-  return std::tie(R, EL, H, m_cap, send_rows) < std::tie(o.R, o.EL, o.H, o.m_cap, o.send_rows);
-}
-
 namespace {
+
+struct GeometryLess {
+  bool operator()(const DispatchGeometry& a, const DispatchGeometry& b) const {
+    return std::tie(a.R, a.EL, a.H, a.m_cap, a.send_rows) <
+           std::tie(b.R, b.EL, b.H, b.m_cap, b.send_rows);
+  }
+};
 
 using Clock = std::chrono::steady_clock;
 
@@ -47,26 +50,27 @@ struct RankWindow {
 
 using Windows = std::vector<std::unique_ptr<RankWindow>>;
 
-struct Runtime {
+// One Runtime's windows: per dispatch geometry, one window per rank.
+struct WindowTable {
   int64_t R;
   std::mutex mu;
-  std::map<DispatchGeometry, std::shared_ptr<Windows>> windows;
+  std::map<DispatchGeometry, std::shared_ptr<Windows>, GeometryLess> windows;
 };
 
-std::mutex g_registry_mu;
-std::map<int64_t, std::shared_ptr<Runtime>> g_registry;
+std::mutex g_tables_mu;
+std::map<int64_t, std::shared_ptr<WindowTable>> g_tables;  // id -> the table of one Runtime
 int64_t g_next_id = 1;
 
-std::shared_ptr<Windows> windows_for(int64_t runtime_id, const DispatchGeometry& g,
+std::shared_ptr<Windows> windows_for(int64_t table_id, const DispatchGeometry& g,
                                      std::string* err) {
-  std::shared_ptr<Runtime> rt;
+  std::shared_ptr<WindowTable> rt;
   {
-    std::lock_guard<std::mutex> lock(g_registry_mu);
-    auto it = g_registry.find(runtime_id);
-    if (it != g_registry.end()) rt = it->second;
+    std::lock_guard<std::mutex> lock(g_tables_mu);
+    auto it = g_tables.find(table_id);
+    if (it != g_tables.end()) rt = it->second;
   }
   if (!rt) {
-    *err = "unknown or closed Runtime (id " + std::to_string(runtime_id) + ")";
+    *err = "unknown or closed Runtime (window table " + std::to_string(table_id) + ")";
     return nullptr;
   }
   if (rt->R != g.R) {
@@ -129,24 +133,38 @@ void zero_outputs(const DispatchGeometry& g, const LandedView& out) {
   *out.overflow = 0;
 }
 
+// The padding rows (every row outside the experts' landed ones) and the row counts.
+void finish_landed(const DispatchGeometry& g, int64_t rows, int64_t dropped,
+                   const LandedView& out) {
+  const int64_t HS = g.H / kBlock;
+  for_each_padding_row(out.expert_offsets, out.expert_counts, g.EL, g.m_cap, [&](int64_t r) {
+    std::memset(out.values + r * g.H, 0, size_t(g.H));
+    std::memset(out.scales + r * HS, 0, size_t(HS));
+    out.src_rank[r] = out.token[r] = out.slot[r] = -1;
+    out.weight[r] = 0.0f;
+  });
+  *out.num_rows = int32_t(rows);
+  *out.overflow = int32_t(dropped);
+}
+
 }  // namespace
 
-int64_t runtime_create(int64_t num_ranks) {
-  auto rt = std::make_shared<Runtime>();
+int64_t cpu_windows_create(int64_t num_ranks) {
+  auto rt = std::make_shared<WindowTable>();
   rt->R = num_ranks;
-  std::lock_guard<std::mutex> lock(g_registry_mu);
+  std::lock_guard<std::mutex> lock(g_tables_mu);
   int64_t id = g_next_id++;
-  g_registry[id] = rt;
+  g_tables[id] = rt;
   return id;
 }
 
-void runtime_destroy(int64_t runtime_id) {
-  std::lock_guard<std::mutex> lock(g_registry_mu);
-  g_registry.erase(runtime_id);
+void cpu_windows_destroy(int64_t table_id) {
+  std::lock_guard<std::mutex> lock(g_tables_mu);
+  g_tables.erase(table_id);
 }
 
-std::string dispatch_cpu(int64_t runtime_id, int64_t rank, const DispatchGeometry& g,
-                         const DispatchOptions& opt, const SendView& send, const LandedView& out) {
+std::string dispatch_cpu(int64_t rank, const DispatchGeometry& g, const DispatchOptions& opt,
+                         const SendView& send, const LandedView& out) {
   const int64_t R = g.R, EL = g.EL, HS = g.H / kBlock;
   if (rank < 0 || rank >= R) return "rank " + std::to_string(rank) + " out of range";
   if (rank == opt.fault_absent_rank) {
@@ -158,7 +176,7 @@ std::string dispatch_cpu(int64_t runtime_id, int64_t rank, const DispatchGeometr
   const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                            std::chrono::duration<double>(opt.timeout_s));
   std::string err;
-  auto windows = windows_for(runtime_id, g, &err);
+  auto windows = windows_for(opt.window_set, g, &err);
   if (!windows) return "jax_sdma_moe dispatch (cpu engine): " + err;
   Windows& W = *windows;
   const uint64_t epoch = ++W[rank]->epoch;
@@ -216,14 +234,35 @@ std::string dispatch_cpu(int64_t runtime_id, int64_t rank, const DispatchGeometr
     copy_rows(me, out.expert_offsets[e], out, out.expert_offsets[e], out.expert_counts[e], g);
     rows += out.expert_counts[e];
   }
-  for_each_padding_row(out.expert_offsets, out.expert_counts, EL, g.m_cap, [&](int64_t r) {
-    std::memset(out.values + r * g.H, 0, size_t(g.H));
-    std::memset(out.scales + r * HS, 0, size_t(HS));
-    out.src_rank[r] = out.token[r] = out.slot[r] = -1;
-    out.weight[r] = 0.0f;
-  });
-  *out.num_rows = int32_t(rows);
-  *out.overflow = int32_t(dropped);
+  finish_landed(g, rows, dropped, out);
+  return "";
+}
+
+std::string dispatch_local_cpu(const DispatchGeometry& g, const DispatchOptions& opt,
+                               const SendView& send, const LandedView& out) {
+  if (g.R != 1) return "engine 'local' moves rows within one rank only (R = 1)";
+  const int64_t EL = g.EL, H = g.H, HS = H / kBlock;
+  if (opt.fault_absent_rank == 0) {
+    zero_outputs(g, out);
+    return "";
+  }
+  if (opt.fault_delay_rank == 0)
+    std::this_thread::sleep_for(std::chrono::milliseconds(opt.fault_delay_ms));
+  const int64_t dropped = landing_layout(send.counts, EL, opt.row_align, g.m_cap,
+                                         out.expert_offsets, out.expert_counts);
+  int64_t rows = 0, from = 0;
+  for (int64_t e = 0; e < EL; ++e) {
+    const int64_t at = out.expert_offsets[e], n = out.expert_counts[e];
+    std::memcpy(out.values + at * H, send.values + from * H, size_t(n * H));
+    std::memcpy(out.scales + at * HS, send.scales + from * HS, size_t(n * HS));
+    std::fill_n(out.src_rank + at, n, 0);
+    std::copy_n(send.token + from, n, out.token + at);
+    std::copy_n(send.slot + from, n, out.slot + at);
+    std::copy_n(send.weight + from, n, out.weight + at);
+    rows += n;
+    from += send.counts[e];
+  }
+  finish_landed(g, rows, dropped, out);
   return "";
 }
 

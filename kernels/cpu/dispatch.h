@@ -21,21 +21,24 @@
 #include <vector>
 
 #include "kernels/common/dispatch_io.h"
-#include "stage.h"
+#include "kernels/cpu/stage.h"
 
 namespace jsm {
 
-struct DispatchGeometry {
-  int64_t R, EL, H, m_cap, send_rows;
-  bool operator<(const DispatchGeometry& o) const;
-};
+// The window tables of the cpu engine, one per Runtime (process-global: every executable of the
+// Runtime shares them), created by Runtime() in Python and freed by Runtime.close(). Each holds
+// the windows of every dispatch geometry the Runtime's calls use.
+int64_t cpu_windows_create(int64_t num_ranks);
+void cpu_windows_destroy(int64_t table_id);
 
-// Process-global runtimes, created by Runtime() in Python and freed by Runtime.close().
-int64_t runtime_create(int64_t num_ranks);
-void runtime_destroy(int64_t runtime_id);
+// Engine cpu: runs the protocol above for `rank` through the window table opt.window_set.
+// Returns "" on success, else an error message.
+std::string dispatch_cpu(int64_t rank, const DispatchGeometry& g, const DispatchOptions& opt,
+                         const SendView& send, const LandedView& out);
 
-// Runs the protocol above for `rank`. Returns "" on success, else an error message.
-std::string dispatch_cpu(int64_t runtime_id, int64_t rank, const DispatchGeometry& g,
-                         const DispatchOptions& opt, const SendView& send, const LandedView& out);
+// Engine local (R = 1, no windows): the landed rows straight from the send buffer; the same
+// result as the protocol with one rank.
+std::string dispatch_local_cpu(const DispatchGeometry& g, const DispatchOptions& opt,
+                               const SendView& send, const LandedView& out);
 
 }  // namespace jsm

@@ -8,57 +8,10 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/common/layout.h"  // landing_layout, segment_puts
 #include "kernels/common/mxfp8.h"
 
 namespace jsm {
-
-// §4: expert e starts at a multiple of row_align; offsets[EL], clipped to m_cap; counts clipped so
-// that no row lies at or past m_cap. Returns the rows that did not fit.
-inline int64_t landing_layout(const int32_t* total, int64_t EL, int64_t row_align, int64_t m_cap,
-                              int32_t* offsets, int32_t* counts) {
-  int64_t off = 0, dropped = 0;
-  for (int64_t e = 0; e < EL; ++e) {
-    int64_t start = std::min(off, m_cap);
-    int64_t kept = std::max<int64_t>(0, std::min<int64_t>(total[e], m_cap - start));
-    offsets[e] = int32_t(start);
-    counts[e] = int32_t(kept);
-    dropped += total[e] - kept;
-    off += (int64_t(total[e]) + row_align - 1) / row_align * row_align;
-  }
-  return dropped;
-}
-
-// Where source `rank` puts its segment of (destination d, local expert e), for every (d, e):
-// rows [base, base + keep) of d's §4 layout (after the segments of sources < rank; keep is short of
-// the segment's rows where M_cap cut it), from send-buffer rows [from, from + keep). plan holds
-// every source's send counts, plan[(s * R + d) * EL + e].
-struct SegmentPut {
-  int64_t base, keep, from;
-};
-inline std::vector<SegmentPut> segment_puts(const int32_t* plan, int64_t R, int64_t EL,
-                                            int64_t rank, int64_t row_align, int64_t m_cap) {
-  const int32_t* mine = plan + rank * R * EL;
-  std::vector<SegmentPut> puts(static_cast<size_t>(R * EL));
-  std::vector<int32_t> total(static_cast<size_t>(EL)), offsets(static_cast<size_t>(EL)),
-      counts(static_cast<size_t>(EL));
-  int64_t from = 0;
-  for (int64_t d = 0; d < R; ++d) {
-    for (int64_t e = 0; e < EL; ++e) {
-      total[e] = 0;
-      for (int64_t s = 0; s < R; ++s) total[e] += plan[(s * R + d) * EL + e];
-    }
-    landing_layout(total.data(), EL, row_align, m_cap, offsets.data(), counts.data());
-    for (int64_t e = 0; e < EL; ++e) {
-      int64_t base = offsets[e];
-      for (int64_t s = 0; s < rank; ++s) base += plan[(s * R + d) * EL + e];
-      const int64_t n = mine[d * EL + e];
-      const int64_t room = int64_t(offsets[e]) + counts[e] - base;
-      puts[d * EL + e] = SegmentPut{base, std::max<int64_t>(0, std::min<int64_t>(n, room)), from};
-      from += n;
-    }
-  }
-  return puts;
-}
 
 // route: send buffer grouped by (destination rank, local expert), token then slot inside a segment.
 // ids < 0: no route; ids >= E: invalid, no row, counted. Returns the number of invalid ids.

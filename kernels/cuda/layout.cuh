@@ -1,9 +1,12 @@
-// The §4 landing layout on the device (the host's is kernels/cpu/stage.h: landing_layout), shared
-// by the local dispatch, the multi-GPU readout and gemm1's padding rows.
+// Block-wide helpers of the §4 landing layout on the device (the arithmetic itself is
+// kernels/common/layout.h, shared with the host), used by the local dispatch, the multi-GPU
+// engines' layout and readout, qpack's landing map, gemm1's padding rows and its tile scheduler.
 #pragma once
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+#include "kernels/common/layout.h"
 
 namespace jsm {
 namespace cuda {
@@ -31,19 +34,8 @@ __device__ __forceinline__ void landing_layout_smem(const int32_t* total, int EL
                                                     int32_t* counts, int32_t* dropped) {
   for (int e = threadIdx.x; e < EL; e += blockDim.x) counts[e] = total[e];
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int64_t off = 0, drop = 0;
-    for (int e = 0; e < EL; ++e) {
-      const int64_t want = counts[e];
-      const int64_t start = off < m_cap ? off : m_cap;
-      const int64_t kept = want < m_cap - start ? want : m_cap - start;
-      offsets[e] = int32_t(start);
-      counts[e] = int32_t(kept);
-      drop += want - kept;
-      off += (want + row_align - 1) / row_align * row_align;
-    }
-    *dropped = int32_t(drop);
-  }
+  if (threadIdx.x == 0)
+    *dropped = int32_t(landing_layout(counts, EL, row_align, m_cap, offsets, counts));
   __syncthreads();
 }
 

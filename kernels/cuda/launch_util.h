@@ -1,4 +1,5 @@
-// Launch-size helpers shared by the CUDA handlers (current device).
+// Host helpers of every CUDA launcher (kernels/cuda, ffi/cuda_handlers.cu): launch sizes for the
+// current device, and driver functions found at run time.
 #pragma once
 
 #include <cuda_runtime.h>

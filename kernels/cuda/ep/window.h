@@ -34,10 +34,6 @@ struct RowHeader {
   float weight;
 };
 
-struct EpGeometry {
-  int64_t R, EL, H, m_cap, send_rows;
-};
-
 struct EpWindowLayout {
   int64_t values[2], scales[2], headers[2];  // slot p: [m_cap, H], [m_cap, H/32], [m_cap]
   int64_t plan[2];                           // [R src][R dst * EL] int32
@@ -51,7 +47,7 @@ struct EpWindowLayout {
 
 JSM_HD int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
-JSM_HD EpWindowLayout ep_window_layout(const EpGeometry& g) {
+JSM_HD EpWindowLayout ep_window_layout(const DispatchGeometry& g) {
   EpWindowLayout w{};
   int64_t off = 0;
   auto take = [&off](int64_t bytes) {
@@ -71,6 +67,12 @@ JSM_HD EpWindowLayout ep_window_layout(const EpGeometry& g) {
   w.epoch_counter = take(4);
   w.bytes = off;
   return w;
+}
+
+// The section at `offset` of a window.
+template <class T>
+JSM_HD T* at(uint8_t* base, int64_t offset) {
+  return reinterpret_cast<T*>(base + offset);
 }
 
 // Every rank's window base as this device addresses it (own allocation, peer-mapped or IPC-opened).

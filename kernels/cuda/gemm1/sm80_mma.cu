@@ -1,4 +1,5 @@
-// Persistent grouped MX-fp8 GEMM1 + SwiGLU (DESIGN.md §3) for sm_89+ (here: Hopper), version 1.
+// Persistent grouped MX-fp8 GEMM1 + SwiGLU (DESIGN.md §3) with mma.sync, for sm_89+ (here: Hopper):
+// the fallback where the warp-specialised wgmma kernel does not apply (H % 128 != 0).
 //
 // h[row] = SwiGLU(deq(a[row]) @ deq(w[e]).T) for the landed rows of each local expert. Hopper has
 // no block-scaled MMA, so each MX block (K = 32) is one fp8 `mma.sync.m16n8k32` into a fresh
@@ -8,70 +9,22 @@
 //
 // A CTA tile is 128 rows x 64 output columns (64 gate + 64 up weight rows), K = 128 (4 MX blocks)
 // per pipeline stage, 4 stages of cp.async; 8 warps, each 32 rows x 32 output columns. Work items
-// (expert, row tile, column tile) are numbered from the device-side expert counts, so one launch
-// covers all experts without a host round trip; this scheduler is where "start when the expert's
-// rows have landed" will be added.
-#pragma once
-
+// come from the device-side tile scheduler (scheduler.cuh).
 #include <cuda_runtime.h>
 #include <stdint.h>
 
 #include "kernels/common/mxfp8.h"
-#include "kernels/cuda/ep_window.h"
-#include "kernels/cuda/layout.cuh"
+#include "kernels/cuda/gemm1/args.h"
+#include "kernels/cuda/gemm1/common.cuh"
+#include "kernels/cuda/gemm1/kernels.h"
+#include "kernels/cuda/gemm1/scheduler.cuh"
 
 namespace jsm {
 namespace cuda {
+namespace gemm1 {
+namespace sm80 {
 
-struct Gemm1Args {
-  const uint8_t* a;         // [m_cap, H] e4m3
-  const uint8_t* a_scales;  // [m_cap, H/32] e8m0
-  const int32_t* offsets;   // [EL]
-  const int32_t* counts;    // [EL]
-  const uint8_t* w;         // [EL, 2I, H]
-  const uint8_t* w_scales;  // [EL, 2I, H/32]
-  int EL;
-  int64_t H, I, m_cap;
-  bool has_limit;
-  float limit;
-  bool scales_aligned;  // H % 128 == 0: a stage's 4 scale bytes of a row are one aligned word
-  uint16_t* h_bf16;    // [m_cap, I] or null
-  uint8_t* h_values;   // [m_cap, I] or null (mxfp8 output)
-  uint8_t* h_scales;   // [m_cap, I/32]
-  // Fused with a dispatch (engines ce, sm): the call's epoch is *epoch_counter (on the device, so
-  // a replayed CUDA graph reads the right one); the rows are the landing slot of its parity, and
-  // expert e's rows may be read once slot_arrival[parity][e * arrival_ranks + s] has reached the
-  // epoch for every source s. epoch_counter null: not fused, a and a_scales hold the rows.
-  const uint32_t* epoch_counter;
-  const uint8_t* slot_values[2];
-  const uint8_t* slot_scales[2];
-  const uint32_t* slot_arrival[2];
-  int arrival_ranks;
-  uint64_t timeout_ns;
-  EpError* err;
-  // set by resolve_slot in the kernel
-  const uint32_t* arrival;  // null: nothing to wait for
-  uint32_t epoch;
-};
-
-// The kernel's view of its arguments: a fused call's slot of this epoch.
-__device__ __forceinline__ Gemm1Args resolve_slot(const Gemm1Args& in) {
-  Gemm1Args g = in;
-  if (in.epoch_counter) {
-    g.epoch = *static_cast<volatile const uint32_t*>(in.epoch_counter);
-    const int p = int(g.epoch & 1);
-    g.a = in.slot_values[p];
-    g.a_scales = in.slot_scales[p];
-    g.arrival = in.slot_arrival[p];
-  }
-  return g;
-}
-
-namespace gemm1_v1 {
-
-constexpr int BM = 128, BN = 64, BNW = 2 * BN;  // rows, output columns, weight rows per tile
 constexpr int THREADS = 256;
-constexpr int kMaxExperts = 1024;  // tile prefix in shared memory
 
 // KB MX blocks (KB * 32 bytes of K per row) per pipeline stage, STAGES stages.
 template <int KB_, int STAGES_>
@@ -91,25 +44,10 @@ struct Cfg {
   }
 };
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
                "r"(valid ? 16 : 0));
 }
-template <int N>
-__device__ __forceinline__ void cp_async_small(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "n"(N), "r"(valid ? N : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
 __device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -124,133 +62,6 @@ __device__ __forceinline__ void mma_e4m3(float* d, const uint32_t* a, const uint
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(0.0f), "f"(0.0f),
         "f"(0.0f), "f"(0.0f));
 }
-
-__device__ __forceinline__ float swiglu(float g, float u, bool has_limit, float limit) {
-  if (has_limit) {
-    g = fminf(g, limit);
-    u = fminf(fmaxf(u, -limit), limit);
-  }
-  return g / (1.0f + expf(-g)) * u;
-}
-
-// One row's 32-column MX block of h, this thread's 8 values v[n][c] at columns n * 8 + tig * 2 + c:
-// bf16 stores, or MX-fp8 with the block maximum reduced over the quad (all 4 lanes must call).
-__device__ __forceinline__ void store_block(const Gemm1Args& g, int64_t row, int64_t col0,
-                                            bool valid, const float (&v)[4][2], int tig) {
-  if (g.h_bf16) {
-    if (!valid) return;
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      const uint32_t packed = uint32_t(f32_to_bf16(v[n][0])) | uint32_t(f32_to_bf16(v[n][1])) << 16;
-      *reinterpret_cast<uint32_t*>(g.h_bf16 + row * g.I + col0 + n * 8 + tig * 2) = packed;
-    }
-    return;
-  }
-  float amax = 0.0f;
-  bool finite = true;
-#pragma unroll
-  for (int n = 0; n < 4; ++n)
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      amax = fmaxf(amax, fabsf(v[n][c]));
-      finite &= isfinite(v[n][c]);
-    }
-#pragma unroll
-  for (int o = 1; o <= 2; o <<= 1) {
-    amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-    finite = __shfl_xor_sync(0xFFFFFFFFu, int(finite), o) && finite;
-  }
-  if (!valid) return;
-  const uint32_t e = finite ? e8m0_for_amax(amax) : kScaleNaN;
-  const float mul = quant_multiplier(e);
-#pragma unroll
-  for (int n = 0; n < 4; ++n) {
-    const uint8_t y0 = finite ? f32_to_e4m3fn(v[n][0] * mul) : kValueNaN;
-    const uint8_t y1 = finite ? f32_to_e4m3fn(v[n][1] * mul) : kValueNaN;
-    *reinterpret_cast<uint16_t*>(g.h_values + row * g.I + col0 + n * 8 + tig * 2) =
-        uint16_t(y0 | (y1 << 8));
-  }
-  if (tig == 0) g.h_scales[row * (g.I / kBlock) + col0 / kBlock] = uint8_t(e);
-}
-
-struct Tile {
-  int e;
-  int64_t row0;  // first landed row of the tile
-  int rows;      // valid rows in the tile
-  int64_t n0;    // first output column
-};
-
-// Work items (expert, row tile, column tile) numbered from the device-side expert counts: one
-// launch covers every expert with no host round trip. (Here "start when the expert's rows have
-// landed" will be added for the multi-GPU engines.)
-static_assert(kMaxRanks <= kWarp, "wait_arrival reads one source per lane of a warp");
-
-struct TileScheduler {
-  int32_t tile_start[kMaxExperts + 1];
-
-  static __device__ __forceinline__ int n_tiles(const Gemm1Args& g) {
-    return int((g.I + BN - 1) / BN);
-  }
-
-  // Pipeline stages per tile, kb MX blocks (kb * 32 bytes of K per row) each.
-  static __device__ __forceinline__ int k_stages(const Gemm1Args& g, int kb) {
-    return int((g.H / kBlock + kb - 1) / kb);
-  }
-
-  __device__ __forceinline__ void init(const Gemm1Args& g) {
-    exclusive_scan_smem(g.EL, tile_start,
-                        [&](int e) { return (g.counts[e] + BM - 1) / BM * n_tiles(g); });
-  }
-
-  __device__ __forceinline__ int total(const Gemm1Args& g) const { return tile_start[g.EL]; }
-
-  // Warp 0 waits (bounded) until every source's rows of expert e have landed, lane s reading
-  // source s's signal, so all signals come in one round trip per poll; the caller's next barrier
-  // releases the rest of the block (every thread of warp 0 must call this). `ready` caches the
-  // last expert seen complete.
-  static __device__ __forceinline__ void wait_arrival(const Gemm1Args& g, int e, int& ready) {
-    if (!g.arrival || e == ready) return;
-    ready = e;
-    if (threadIdx.x >= kWarp) return;
-    const int lane = int(threadIdx.x);
-    const bool mine = lane < g.arrival_ranks;  // kMaxRanks <= kWarp: one source per lane
-    const uint32_t* flags = g.arrival + int64_t(e) * g.arrival_ranks;
-    const uint64_t deadline = globaltimer_ns() + g.timeout_ns;
-    for (bool first = true;; first = false) {
-      const bool ok = !mine || epoch_reached(ld_acquire_sys(flags + lane), g.epoch);
-      const unsigned missing = __ballot_sync(0xFFFFFFFFu, !ok);
-      if (missing == 0) return;
-      // not there yet: if a wait of this call already ran out (any CTA, or the dispatch), the
-      // call is failed and its rows are not trusted, so don't wait (else every expert of every
-      // CTA would wait out its own timeout). Read only here: the error word is host memory.
-      if (first && __shfl_sync(0xFFFFFFFFu, lane == 0 && static_cast<volatile EpError*>(
-                                                             g.err)->code != 0, 0))
-        return;
-      if (__shfl_sync(0xFFFFFFFFu, int(globaltimer_ns() > deadline), 0)) {
-        // bounded: the rows are not trusted, the error surfaces at the host
-        if (lane == __ffs(int(missing)) - 1)
-          record_wait_error(g.err, 2, uint32_t(lane), uint32_t(e), g.epoch);
-        return;
-      }
-      __nanosleep(256);
-    }
-  }
-
-  __device__ __forceinline__ Tile tile(const Gemm1Args& g, int w) const {
-    int lo = 0, hi = g.EL - 1;  // last expert whose first tile is <= w
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (tile_start[mid] <= w) lo = mid; else hi = mid - 1;
-    }
-    const int local = w - tile_start[lo], mt = local / n_tiles(g);
-    Tile t;
-    t.e = lo;
-    t.row0 = g.offsets[lo] + int64_t(mt) * BM;
-    t.rows = min(BM, g.counts[lo] - mt * BM);
-    t.n0 = int64_t(local % n_tiles(g)) * BN;
-    return t;
-  }
-};
 
 // Issues the cp.async copies of stage `ks` of a tile and loads its scale bytes into registers
 // (stored to shared memory later, so their latency overlaps the MMAs).
@@ -330,7 +141,7 @@ __device__ __forceinline__ void store_scales(const Gemm1Args& g, typename C::Sta
 }
 
 template <class C>
-__global__ void __launch_bounds__(THREADS, 1) gemm1_kernel(const Gemm1Args g_in) {
+__global__ void __launch_bounds__(THREADS, 1) sm80_mma_kernel(const Gemm1Args g_in) {
   const Gemm1Args g = resolve_slot(g_in);
   constexpr int KB = C::KB, STAGES = C::STAGES;
   using Stage = typename C::Stage;
@@ -442,6 +253,16 @@ __global__ void __launch_bounds__(THREADS, 1) gemm1_kernel(const Gemm1Args g_in)
   }
 }
 
-}  // namespace gemm1_v1
+}  // namespace sm80
+
+void launch_sm80_mma(const Gemm1Args& g, int grid, cudaStream_t stream) {
+  using C = sm80::Cfg<KB, 4>;
+  auto kernel = sm80::sm80_mma_kernel<C>;
+  // per call: the attribute belongs to the current device's context
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
+  kernel<<<grid, sm80::THREADS, C::kSmemBytes, stream>>>(g);
+}
+
+}  // namespace gemm1
 }  // namespace cuda
 }  // namespace jsm

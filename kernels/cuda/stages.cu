@@ -1,12 +1,10 @@
-// CUDA kernels of the memory-bound Stage1 stages: quantize, route, qpack / pack, the local (R = 1)
-// dispatch, and the zero padding rows of gemm1's output. Same results as kernels/cpu (the §3 bytes
-// come from the shared kernels/common/mxfp8.h).
-#pragma once
-
-#include <cuda_runtime.h>
-#include <stdint.h>
+// CUDA kernels of the memory-bound Stage1 stages and their host launchers (stages.h): quantize,
+// route, qpack / pack, the local (R = 1) dispatch, and the zero padding rows of gemm1's output.
+// Same results as kernels/cpu (the §3 bytes come from the shared kernels/common/mxfp8.h).
+#include "kernels/cuda/stages.h"
 
 #include "kernels/common/mxfp8.h"
+#include "kernels/cuda/launch_util.h"
 #include "kernels/cuda/layout.cuh"
 
 namespace jsm {
@@ -64,47 +62,6 @@ __global__ void quantize_kernel(const In* x, int64_t blocks, uint8_t* values, ui
     quantize_to_words(v, q, scales + b);
     reinterpret_cast<uint4*>(values + b * kBlock)[0] = q[0];
     reinterpret_cast<uint4*>(values + b * kBlock)[1] = q[1];
-  }
-}
-
-// route: one warp, in (token, slot) order, so a segment keeps its rows in that order without a
-// sort. Counts first (any order), then positions: __match_any_sync groups the equal ids of 32
-// consecutive entries; the running count per expert lives in shared memory.
-__global__ void route_kernel(const int32_t* ids, int64_t n, int32_t E, int32_t* send_counts,
-                             int32_t* send_pos, int32_t* num_invalid) {
-  extern __shared__ int32_t smem[];  // counts[E], cursor[E]
-  int32_t* counts = smem;
-  int32_t* cursor = smem + E;
-  const int lane = threadIdx.x;
-  for (int e = lane; e < E; e += kWarp) counts[e] = 0;
-  __syncwarp();
-  int invalid = 0;
-  for (int64_t i = lane; i < n; i += kWarp) {
-    const int32_t id = ids[i];
-    invalid += id >= E;
-    if (id >= 0 && id < E) atomicAdd(&counts[id], 1);
-  }
-  __syncwarp();
-  for (int o = 16; o; o >>= 1) invalid += __shfl_xor_sync(0xFFFFFFFFu, invalid, o);
-  if (lane == 0) {
-    *num_invalid = invalid;
-    int32_t run = 0;
-    for (int e = 0; e < E; ++e) cursor[e] = run, run += counts[e];
-  }
-  __syncwarp();
-  for (int e = lane; e < E; e += kWarp) send_counts[e] = counts[e];
-  for (int64_t base = 0; base < n; base += kWarp) {
-    const int64_t i = base + lane;
-    const int32_t id = i < n ? ids[i] : -1;
-    const bool valid = id >= 0 && id < E;
-    const uint32_t peers = __match_any_sync(0xFFFFFFFFu, valid ? id : -1);
-    const uint32_t before = peers & ((1u << lane) - 1u);
-    int32_t pos = -1;
-    if (valid) pos = cursor[id] + __popc(before);
-    __syncwarp();
-    if (valid && before == 0) cursor[id] += __popc(peers);  // the lowest lane of each group
-    __syncwarp();
-    if (i < n) send_pos[i] = pos;
   }
 }
 
@@ -190,18 +147,8 @@ __global__ void route_place_kernel(const int32_t* ids, int64_t n, int32_t E,
   }
 }
 
-// R = 1 only: send positions -> landing rows (DESIGN.md §4), so qpack can store each row where the
-// GEMM reads it (the local dispatch then only writes padding). counts null: positions as given.
-struct LandingMap {
-  const int32_t* counts;  // [EL] send counts of the one rank
-  int EL;
-  int64_t row_align, m_cap;
-  static size_t smem_bytes(int EL) { return size_t(3 * EL + 2) * sizeof(int32_t); }
-};
-
 // qpack / pack: one warp per token; lane j handles MX blocks j, j + 32, ...; each block is
-// quantised (qpack) or read (pack) once and stored to every send row of the token (or, with a
-// LandingMap, to every landing row). The 32 blocks of a round (1 KB of fp8) go through shared
+// quantised (qpack) or read (pack) once and stored to every send row of the token. The 32 blocks of a round (1 KB of fp8) go through shared
 // memory so each store instruction writes 512 contiguous bytes, 16 per lane: stored straight from
 // the lanes, each instruction would cover every other 16 bytes of the row (half of every line).
 constexpr int kPackThreads = 256, kPackWarps = kPackThreads / kWarp;
@@ -209,13 +156,7 @@ template <bool kQuantize>
 __global__ void pack_kernel(const uint16_t* x, const uint8_t* x_values, const uint8_t* x_scales,
                             const float* weights, const int32_t* send_pos, int64_t T, int K,
                             int64_t H, uint8_t* values, uint8_t* scales, int32_t* token,
-                            int32_t* slot, float* weight, LandingMap lm) {
-  extern __shared__ int32_t smem[];  // with lm: offsets[EL], counts[EL], seg_start[EL + 1], dropped
-  if (lm.counts) {
-    landing_layout_smem(lm.counts, lm.EL, lm.row_align, lm.m_cap, smem, smem + lm.EL,
-                        smem + 3 * lm.EL + 1);
-    exclusive_scan_smem(lm.EL, smem + 2 * lm.EL, [&](int e) { return lm.counts[e]; });
-  }
+                            int32_t* slot, float* weight) {
   const int lane = threadIdx.x % kWarp;
   const int64_t t = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / kWarp;
   if (t >= T) return;
@@ -225,16 +166,6 @@ __global__ void pack_kernel(const uint16_t* x, const uint8_t* x_values, const ui
 #pragma unroll
   for (int k = 0; k < 16; ++k) {
     pos[k] = k < K ? send_pos[t * K + k] : -1;
-    if (lm.counts && pos[k] >= 0) {  // the expert whose segment holds pos, then its landing row
-      const int32_t* seg_start = smem + 2 * lm.EL;
-      int lo = 0, hi = lm.EL - 1;
-      while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (seg_start[mid] <= pos[k]) lo = mid; else hi = mid - 1;
-      }
-      const int32_t rank = pos[k] - seg_start[lo];
-      pos[k] = rank < smem[lm.EL + lo] ? smem[lo] + rank : -1;  // past M_cap: dropped
-    }
     routed |= pos[k] >= 0;
   }
   if (!routed) return;
@@ -277,8 +208,7 @@ __global__ void pack_kernel(const uint16_t* x, const uint8_t* x_values, const ui
   }
 }
 
-// dispatch with R = 1: every landing row, landed or padding, written by one warp (rows_in_place:
-// qpack stored the landed rows already; only their source rank and the padding rows remain).
+// dispatch with R = 1: every landing row, landed or padding, written by one warp.
 __global__ void dispatch_local_kernel(const uint8_t* values, const uint8_t* scales,
                                       const int32_t* token, const int32_t* slot,
                                       const float* weight, const int32_t* send_counts, int EL,
@@ -286,7 +216,7 @@ __global__ void dispatch_local_kernel(const uint8_t* values, const uint8_t* scal
                                       uint8_t* out_values, uint8_t* out_scales, int32_t* src_rank,
                                       int32_t* out_token, int32_t* out_slot, float* out_weight,
                                       int32_t* expert_offsets, int32_t* expert_counts,
-                                      int32_t* num_rows, int32_t* overflow, bool rows_in_place) {
+                                      int32_t* num_rows, int32_t* overflow) {
   extern __shared__ int32_t smem[];  // offsets[EL], counts[EL], seg_start[EL], dropped
   int32_t* offsets = smem;
   int32_t* counts = smem + EL;
@@ -313,10 +243,6 @@ __global__ void dispatch_local_kernel(const uint8_t* values, const uint8_t* scal
        r += int64_t(gridDim.x) * blockDim.x / kWarp) {
     const int e = expert_of_row(offsets, counts, EL, r);
     const int64_t p = e < 0 ? -1 : seg_start[e] + (r - offsets[e]);
-    if (rows_in_place && p >= 0) {  // qpack already stored the row and its header here
-      if (lane == 0) src_rank[r] = 0;
-      continue;
-    }
     uint4* dst = reinterpret_cast<uint4*>(out_values + r * H);
     const uint4* src = reinterpret_cast<const uint4*>(values + p * H);
     for (int64_t c = lane; c < H / 16; c += kWarp) dst[c] = p < 0 ? make_uint4(0, 0, 0, 0) : src[c];
@@ -348,6 +274,49 @@ __global__ void zero_padding_rows_kernel(const int32_t* expert_offsets,
     if (h_scales)
       for (int64_t c = lane; c < scale_bytes; c += kWarp) h_scales[r * scale_bytes + c] = 85;
   }
+}
+
+void launch_quantize(const void* x, bool x_bf16, int64_t blocks, uint8_t* values, uint8_t* scales,
+                     cudaStream_t stream) {
+  if (x_bf16)
+    quantize_kernel<uint16_t><<<grid_for(blocks, 256), 256, 0, stream>>>(
+        static_cast<const uint16_t*>(x), blocks, values, scales);
+  else
+    quantize_kernel<float><<<grid_for(blocks, 256), 256, 0, stream>>>(
+        static_cast<const float*>(x), blocks, values, scales);
+}
+
+void launch_route(const int32_t* ids, int64_t n, int32_t E, int32_t* send_counts,
+                  int32_t* send_pos, int32_t* num_invalid, cudaStream_t stream) {
+  route_count_kernel<<<E + 1, 256, 0, stream>>>(ids, n, E, send_counts, send_pos, num_invalid);
+  if (E > 0) route_place_kernel<<<E, 1024, 0, stream>>>(ids, n, E, send_counts, send_pos);
+}
+
+void launch_pack(bool quantize, const PackArgs& a, cudaStream_t stream) {
+  // rows past the routed ones: headers -1 (token, slot), weight 0; their payload is unspecified
+  cudaMemsetAsync(a.token, 0xFF, a.S * sizeof(int32_t), stream);
+  cudaMemsetAsync(a.slot, 0xFF, a.S * sizeof(int32_t), stream);
+  cudaMemsetAsync(a.weight, 0, a.S * sizeof(float), stream);
+  if (a.T == 0) return;
+  auto kernel = quantize ? pack_kernel<true> : pack_kernel<false>;
+  kernel<<<(a.T + kPackWarps - 1) / kPackWarps, kPackThreads, 0, stream>>>(
+      a.x, a.x_values, a.x_scales, a.weights, a.send_pos, a.T, a.K, a.H, a.values, a.scales,
+      a.token, a.slot, a.weight);
+}
+
+void launch_dispatch_local(const SendView& send, int EL, int64_t H, int64_t m_cap,
+                           int64_t row_align, const LandedView& out, cudaStream_t stream) {
+  dispatch_local_kernel<<<grid_for(m_cap, 8), 256, (3 * EL + 1) * sizeof(int32_t), stream>>>(
+      send.values, send.scales, send.token, send.slot, send.weight, send.counts, EL, H, m_cap,
+      row_align, out.values, out.scales, out.src_rank, out.token, out.slot, out.weight,
+      out.expert_offsets, out.expert_counts, out.num_rows, out.overflow);
+}
+
+void launch_zero_padding_rows(const int32_t* expert_offsets, const int32_t* expert_counts, int EL,
+                              int64_t m_cap, int64_t row_bytes, uint8_t* h, uint8_t* h_scales,
+                              int64_t scale_bytes, cudaStream_t stream) {
+  zero_padding_rows_kernel<<<grid_for(m_cap, 8), 256, 2 * EL * sizeof(int32_t), stream>>>(
+      expert_offsets, expert_counts, EL, m_cap, row_bytes, h, h_scales, scale_bytes);
 }
 
 }  // namespace cuda

@@ -1,22 +1,25 @@
-// Host side of the multi-GPU dispatch engines `ce` and `sm` (ffi/cuda_ep.cu): the symmetric
-// windows of a Runtime (one set per dispatch geometry) and the dispatch itself. No CUDA types here,
-// so the pybind11 module (a plain C++ translation unit) can call it.
+// Host side of the multi-GPU dispatch engines `ce` and `sm`: the symmetric windows of a Runtime
+// (one set per dispatch geometry; windows.cu) and the dispatch itself (engine.cu, with the ce
+// engine's host steps in copy_engine.cu). No CUDA types here, so the pybind11 module (a plain C++
+// translation unit) can call it.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
-#include "kernels/cuda/ep_window.h"
+#include "kernels/common/dispatch_io.h"
+#include "kernels/cuda/ep/window.h"
 
 namespace jsm {
 namespace ep {
 
-enum Engine : int { kCopyEngine = 1, kSmEngine = 2 };
-
-// Allocates (and zeroes) the windows of `ranks`, each on its CUDA device. Returns the set's id > 0,
-// or 0 with *err set.
-int64_t windows_create(int engine, int sm_blocks, const cuda::EpGeometry& g,
+// The window sets of every Runtime with engine ce or sm, in a process-global registry (every
+// executable of a Runtime shares them, and they must exist before tracing: IPC handles are
+// exchanged then). Allocates (and zeroes) the windows of `ranks`, each on its CUDA device, for
+// `engine` (ce or sm; sm_blocks: the sm engine's kernel blocks). Returns the set's id > 0, or 0
+// with *err set.
+int64_t windows_create(EngineId engine, int sm_blocks, const DispatchGeometry& g,
                        const std::vector<int64_t>& ranks, const std::vector<int64_t>& devices,
                        std::string* err);
 // One process holding every rank: enables peer access between the devices, fills the tables.
@@ -31,14 +34,14 @@ std::string error_message(int64_t id);
 // Host time spent inside the ce engine's calls, per local rank: the plan's host synchronisation
 // (from the call's start until every source's plan is on the host: it includes waiting for this
 // rank's route and qpack and for the slowest peer; plan_stream_us: until the first poll came
-// back, i.e. the wait for the stream's earlier work) and the enqueueing of the row copies; the
-// copies enqueued, those enqueued one at a time (the batch API refused them: batch_error), and
-// the share of the enqueueing and copies that stays on this rank's GPU (own segments).
+// back, i.e. the wait for the stream's earlier work) and the enqueueing of the row copies to the
+// peers; the copies enqueued, and those enqueued one at a time (the batch API refused them:
+// batch_error).
 struct HostStats {
   int64_t rank;
   uint64_t calls;
-  double plan_us, plan_stream_us, enqueue_us, own_enqueue_us;  // totals over the calls
-  uint64_t copies, single_copies, own_copies;
+  double plan_us, plan_stream_us, enqueue_us;  // totals over the calls
+  uint64_t copies, single_copies;
   std::string batch_error;  // the name of the last refused batch's cudaError_t, "" if none
   // Both engines, fused calls (dispatch + GEMM) outside CUDA graphs: the device-side timeline of
   // the calls counted (timed_calls; first_chunk_calls: those with engine ce's first-chunk mark),
@@ -66,12 +69,13 @@ struct SlotView {
 // Launches the GEMM on `stream` (a cudaStream_t); returns "" or an error.
 using GemmLaunch = std::string (*)(const SlotView& slot, void* stream, void* ctx);
 
-// Runs one epoch of the protocol for the rank whose device is current, on `stream` (XLA's) and
-// the rank's side stream (the row copies, or the sm kernel), joined back before returning.
+// Runs one epoch of the protocol for the rank whose device is current, through the window set
+// opt.window_set (its engine must be opt.engine), on `stream` (XLA's) and the rank's side stream
+// (the row copies, or the sm kernel), joined back before returning.
 // Without gemm: the landed rows are copied to out (out.values, out.scales). With gemm: it runs
 // between the layout and the headers, reading the rows from the slot as they land (out.values
 // and out.scales are unused). Returns "" or an error message.
-std::string dispatch(void* stream, int64_t id, const cuda::EpGeometry& g, const SendView& send,
+std::string dispatch(void* stream, const DispatchGeometry& g, const SendView& send,
                      const LandedView& out, const DispatchOptions& opt, GemmLaunch gemm = nullptr,
                      void* gemm_ctx = nullptr);
 

@@ -1,4 +1,4 @@
-"""The `xla` dispatch engine: the §4 landing through XLA collectives only.
+"""Engine `xla`: the §4 landing through XLA collectives only (any platform; the portable path).
 
 On GPUs the rows travel with `ragged_all_to_all` (exact sizes); on CPU, where XLA does not
 implement it, an `all_to_all` of fixed-size chunks (one per destination, T*K rows each) emulates
@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .layout import landing_layout
-from .types import Landed, SendBuffer
+from ..layout import landing_layout
+from ..types import Landed, SendBuffer
+from .base import Engine
 
 F8 = jnp.float8_e4m3fn
 
@@ -71,6 +72,10 @@ def dispatch(send: SendBuffer, send_counts: jax.Array, *, axis_name: str, num_ra
   else:  # no rows to send anywhere (T = 0)
     landed = jnp.zeros((cap, payload.shape[-1]), jnp.uint8)
     source = jnp.full((cap,), -1, jnp.int32)
+  # the overflow count needs only the gathered counts; tied to the received rows, a failing
+  # stage1(check=True) can only fail after every rank has left the all_to_all (failing before it
+  # would leave the other ranks waiting there until XLA's rendezvous aborts the process)
+  dropped, landed = lax.optimization_barrier((lay.dropped, landed))
   hdr = lax.bitcast_convert_type(landed[:, -12:].reshape(cap, 3, 4), jnp.int32)
   hs = H // 32
   return Landed(
@@ -78,4 +83,25 @@ def dispatch(send: SendBuffer, send_counts: jax.Array, *, axis_name: str, num_ra
       source,
       jnp.where(landed_row, hdr[:, 0], -1), jnp.where(landed_row, hdr[:, 1], -1),
       lax.bitcast_convert_type(hdr[:, 2], jnp.float32),
-      lay.offsets, lay.counts, lay.counts.sum().astype(jnp.int32), lay.dropped)
+      lay.offsets, lay.counts, lay.counts.sum().astype(jnp.int32), dropped)
+
+
+class XlaEngine(Engine):
+  name = "xla"
+  platforms = ("cpu", "cuda", "rocm")
+
+  @classmethod
+  def check_mesh(cls, runtime):
+    super().check_mesh(runtime)
+    if runtime.multi_process and runtime.platform != "cpu":
+      # ragged_all_to_all across processes is XLA's NCCL send/recv fallback (refused unless
+      # --xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback); with it, on jax 0.11.2 and
+      # 2xH200, the rows from the other process read as zeros at the dsv3 shape (docs/PERF.md)
+      raise ValueError("Runtime: engine 'xla' is not supported across GPU processes (XLA's "
+                       "ragged_all_to_all falls back to NCCL there and lost rows when we tried "
+                       "it); use engine 'ce' or 'sm'")
+
+  def dispatch(self, send, send_counts, rank, *, cap):
+    rt = self.runtime
+    return dispatch(send, send_counts, axis_name=rt.axis_name, num_ranks=rt.num_ranks, cap=cap,
+                    row_align=self.config.row_align, ragged=rt.platform != "cpu")

@@ -1,10 +1,11 @@
-// Device side of the multi-GPU dispatch engines (protocol: kernels/cuda/ep_window.h):
+// Device side of the multi-GPU dispatch engines (protocol: kernels/cuda/ep/window.h), included by
+// engine.cu only (its launches are the only ones):
 //   ep_begin_kernel    the call's epoch (device-side: CUDA graph replays count too);
 //   ep_headers_kernel  the outgoing rows' 16-byte headers, so the `ce` engine copies a segment's
 //                      headers in one piece;
 //   ep_sm_kernel       engine `sm`: a few blocks put the plan and every segment to the peers with
 //                      stores over NVLink and raise the signals (no host involvement); engine
-//                      `ce` with JSM_CE_OWN=kernel: only this rank's own segments (within the GPU);
+//                      `ce`: only this rank's own segments (within the GPU);
 //   ep_layout_kernel   both engines: wait (bounded) for every source's plan, write the §4 layout;
 //   ep_rows_kernel     both engines: wait (bounded) for every signal of this rank's slot, then
 //                      write the row headers (and the rows, unless a fused GEMM read them).
@@ -13,29 +14,11 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include "kernels/cuda/ep_window.h"
+#include "kernels/cuda/ep/args.h"
 #include "kernels/cuda/layout.cuh"
 
 namespace jsm {
 namespace cuda {
-
-struct EpArgs {
-  PeerTable peers;
-  EpWindowLayout L;
-  EpGeometry g;
-  int rank;
-  const uint32_t* epoch_counter;  // this call's epoch, once ep_begin_kernel has run
-  int64_t row_align;
-  uint64_t timeout_ns;
-  EpError* err;  // host-mapped
-  // this rank's send buffer (qpack / pack) and its counts [R * EL]
-  const int32_t* counts;
-  const uint8_t* values;
-  const uint8_t* scales;
-  const int32_t* token;
-  const int32_t* slot;
-  const float* weight;
-};
 
 __device__ __forceinline__ uint32_t call_epoch(const EpArgs& a) {
   return *static_cast<volatile const uint32_t*>(a.epoch_counter);
@@ -43,12 +26,6 @@ __device__ __forceinline__ uint32_t call_epoch(const EpArgs& a) {
 
 // The first kernel of a call (not of an absent rank's): the call's epoch.
 __global__ void ep_begin_kernel(uint32_t* epoch_counter) { *epoch_counter += 1; }
-
-// The section at `offset` of a window (host and device code).
-template <class T>
-__host__ __device__ __forceinline__ T* at(uint8_t* base, int64_t offset) {
-  return reinterpret_cast<T*>(base + offset);
-}
 
 __global__ void ep_headers_kernel(const int32_t* token, const int32_t* slot, const float* weight,
                                   int64_t n, int rank, RowHeader* out) {

@@ -1,0 +1,99 @@
+"""What every engine is: the interface `stage1` and `Runtime` use, and the shared lowering of the
+engines whose dispatch is the `dispatch` custom call."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar, Tuple
+
+import jax
+
+from .. import primitives
+from ..types import Landed, QuantizedW1, SendBuffer
+
+if TYPE_CHECKING:  # pragma: no cover
+  from ..runtime import Runtime
+
+
+def gemm1_options(config) -> primitives.Gemm1Options:
+  return primitives.Gemm1Options(swiglu_limit=config.swiglu_limit, out_dtype=config.out_dtype)
+
+
+class Engine:
+  """One Runtime's dispatch engine.
+
+  name: the Stage1Config.engine value. platforms: where it runs. fuses_gemm1: dispatch and gemm1
+  run as one call, the GEMM starting each expert as its rows land. graph_capturable: its calls
+  have no host step, so XLA may capture them in command buffers (CUDA graphs).
+  """
+  name: ClassVar[str]
+  platforms: ClassVar[Tuple[str, ...]]
+  fuses_gemm1: ClassVar[bool] = False
+  graph_capturable: ClassVar[bool] = False
+
+  @classmethod
+  def check_mesh(cls, runtime: "Runtime") -> None:
+    """Raises ValueError if this engine cannot serve the Runtime's mesh axis."""
+    if runtime.platform not in cls.platforms:
+      raise ValueError(f"Runtime: engine {cls.name!r} runs on {cls.platforms}, but the mesh is on "
+                       f"{runtime.platform!r}")
+
+  def __init__(self, runtime: "Runtime"):
+    self.runtime = runtime
+
+  @property
+  def config(self):
+    return self.runtime.config
+
+  def dispatch(self, send: SendBuffer, send_counts: jax.Array, rank: jax.Array, *,
+               cap: int) -> Landed:
+    """This rank's send buffer -> its landed rows (§4 layout)."""
+    raise NotImplementedError
+
+  def dispatch_gemm1(self, send: SendBuffer, send_counts: jax.Array, rank: jax.Array,
+                     w1q: QuantizedW1, *, cap: int):
+    """dispatch then gemm1: (Landed, h). Engines that fuse the two override this."""
+    landed = self.dispatch(send, send_counts, rank, cap=cap)
+    h = primitives.gemm1(landed.values, landed.scales, landed.expert_offsets,
+                         landed.expert_counts, w1q, options=gemm1_options(self.config))
+    return landed, h
+
+  def check(self) -> None:
+    """Raises if a bounded wait of an earlier call ran out (engines with device-side waits)."""
+
+  def host_stats(self) -> dict:
+    """Host-side statistics of the calls so far ({} where the engine keeps none)."""
+    return {}
+
+  def timeline(self) -> dict:
+    """Device-side timeline of the calls so far ({} where the engine keeps none)."""
+    return {}
+
+  def close(self) -> None:
+    """Frees the engine's per-Runtime state (the Runtime has waited for the calls in flight)."""
+
+  def close_at_exit(self) -> None:
+    """close() at interpreter exit, when nothing can be in flight and JAX is gone."""
+    self.close()
+
+  def __repr__(self):
+    return f"{type(self).__name__}()"
+
+
+class FfiDispatchEngine(Engine):
+  """An engine whose dispatch is the `dispatch` custom call with the Runtime's window set."""
+
+  def window_set(self, send: SendBuffer, send_counts: jax.Array, cap: int) -> int:
+    """The handle of the window set this dispatch uses (0: none)."""
+    return 0
+
+  def dispatch_options(self, send, send_counts, cap) -> primitives.DispatchOptions:
+    cfg = self.config
+    return primitives.DispatchOptions(
+        engine=self.name, window_set=self.window_set(send, send_counts, cap),
+        row_align=cfg.row_align, timeout_s=cfg.timeout_s,
+        fault_absent_rank=cfg.fault_absent_rank, fault_delay_rank=cfg.fault_delay_rank,
+        fault_delay_ms=cfg.fault_delay_ms)
+
+  def dispatch(self, send, send_counts, rank, *, cap):
+    return primitives.dispatch(send, send_counts, rank, cap=cap,
+                               options=self.dispatch_options(send, send_counts, cap),
+                               graph=self.graph_capturable)

@@ -1,0 +1,24 @@
+"""Engine `ce` (CUDA): the rows cross to the peers on the copy engines — batched peer copies into
+the peers' windows, each chunk of experts followed in stream order by its signals — while a
+kernel stores the rank's own rows; one host synchronisation per call for the plan."""
+from __future__ import annotations
+
+from .cuda_windows import CudaWindowEngine
+
+
+class CeEngine(CudaWindowEngine):
+  name = "ce"
+  # the host waits for the plan and enqueues the copies in every call: no CUDA graph
+  graph_capturable = False
+
+  _HOST_KEYS = ("calls", "plan_us", "plan_stream_us", "enqueue_us", "copies", "single_copies")
+
+  def host_stats(self) -> dict:
+    """{rank: {"calls", "plan_us", "plan_stream_us", "enqueue_us", "copies", "single_copies",
+    "batch_error"}} over this process's ranks and every call so far (totals): the host time of the
+    plan's synchronisation (from the call's start until every source's plan is on the host;
+    plan_stream_us: the part spent waiting for the stream's earlier work, the rest waits for the
+    peers) and of enqueueing the row copies to the peers; the copies enqueued, those enqueued one
+    at a time because cudaMemcpyBatchAsync refused their batch, and the error name of its last
+    refusal ("" if none)."""
+    return self._rank_stats(self._HOST_KEYS)

@@ -1,0 +1,36 @@
+"""Engine `cpu`: memcpy between the virtual CPU devices of one process through the Runtime's
+windows, with the same plan, signals and bounded waits as the GPU engines (the protocol's
+executable specification, kernels/cpu/dispatch.h)."""
+from __future__ import annotations
+
+from .. import primitives
+from .base import FfiDispatchEngine
+
+
+class CpuEngine(FfiDispatchEngine):
+  name = "cpu"
+  platforms = ("cpu",)
+
+  @classmethod
+  def check_mesh(cls, runtime):
+    super().check_mesh(runtime)
+    if runtime.multi_process:
+      raise ValueError("Runtime: engine 'cpu' moves rows between the devices of one process; this "
+                       "mesh spans several processes (jax.distributed): use engine 'xla'")
+
+  def __init__(self, runtime):
+    super().__init__(runtime)
+    primitives.registered_platforms()
+    self._ext = primitives.extension()  # kept: close_at_exit runs when module globals are gone
+    # the window table (two parity slots per rank, sized at the first call of each shape)
+    self._table = self._ext.cpu_windows_create(runtime.num_ranks)
+
+  def window_set(self, send, send_counts, cap):
+    if self._table is None:
+      raise ValueError("Runtime is closed")
+    return self._table
+
+  def close(self):
+    if self._table is not None:
+      self._ext.cpu_windows_destroy(self._table)
+      self._table = None

@@ -1,0 +1,48 @@
+// The options every backend's dispatch and GEMM1 read, as plain structs: the FFI handlers decode
+// them from the custom calls' dictionary attributes `dispatch` and `gemm1` (ffi/options.h lists
+// the member names, which must match these members one for one and in this order).
+#pragma once
+
+#include <stdint.h>
+
+namespace jsm {
+
+// The dispatch engines that run as custom calls (Stage1Config.engine; "xla" runs no custom call).
+// The pybind module exports these values as ENGINE_IDS.
+enum class EngineId : int64_t {
+  kLocal = 0,  // one rank: rows placed by a local copy (CPU or CUDA)
+  kCpu = 1,    // the CPU virtual devices of one process, through a process-global window table
+  kCe = 2,     // CUDA copy engines
+  kSm = 3,     // CUDA SM stores over NVLink
+};
+
+inline const char* engine_name(EngineId e) {
+  switch (e) {
+    case EngineId::kLocal: return "local";
+    case EngineId::kCpu: return "cpu";
+    case EngineId::kCe: return "ce";
+    case EngineId::kSm: return "sm";
+  }
+  return "unknown";
+}
+
+// Attribute `dispatch` of jsm_dispatch(_graph) and jsm_dispatch_gemm1(_graph).
+struct DispatchOptions {
+  EngineId engine;
+  // The Runtime's window set: the cpu window table (engine cpu), the CUDA window set (ce, sm);
+  // 0 for engine local, which has none.
+  int64_t window_set;
+  int64_t row_align;  // every expert's first landed row is a multiple of this (DESIGN.md §4)
+  double timeout_s;   // every wait of the protocol is bounded by this
+  int64_t fault_absent_rank;  // this rank never takes part (tests the timeout path)
+  int64_t fault_delay_rank;   // this rank starts late by fault_delay_ms
+  int64_t fault_delay_ms;
+};
+
+// Attribute `gemm1` of jsm_gemm1 and jsm_dispatch_gemm1(_graph).
+struct Gemm1Options {
+  bool has_limit;
+  float swiglu_limit;  // used when has_limit
+};
+
+}  // namespace jsm

@@ -1,0 +1,205 @@
+// Engine ce's host steps (the sequence that calls them: engine.cu). Everything that moves bytes
+// between GPUs is a copy-engine operation: the plan (each source's counts) goes to every
+// destination by a peer copy followed by a stream-ordered flag write (cuStreamBatchMemOp); the
+// host then waits, bounded, for every source's plan (one host synchronisation per call, like
+// DeepEP's normal mode), computes every segment's landing offset, and enqueues the rows as batched
+// copies (cudaMemcpyBatchAsync), each chunk of experts followed by the write of its signals at the
+// destination. No SM touches a row in flight.
+#include "kernels/cuda/ep/copy_engine.h"
+
+#include <cuda.h>  // CUstreamBatchMemOpParams (the function itself comes from the runtime)
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+
+#include "kernels/cuda/launch_util.h"
+
+namespace jsm {
+namespace ep {
+
+using cuda::EpError;
+using cuda::EpWindowLayout;
+using cuda::at;
+
+namespace {
+
+constexpr int kFlagChunk = 16;  // experts per batch of copies before their signals
+
+using BatchMemOpFn = CUresult (*)(CUstream, unsigned int, CUstreamBatchMemOpParams*, unsigned int);
+
+BatchMemOpFn batch_mem_op() {
+  static BatchMemOpFn fn = cuda::driver_function<BatchMemOpFn>("cuStreamBatchMemOp");
+  return fn;
+}
+
+// Stream-ordered 32-bit writes (each after everything before it on the stream, with a memory
+// barrier: the default cuStreamWriteValue semantics).
+std::string write_flags(cudaStream_t st, const std::vector<uint32_t*>& addrs, uint32_t value) {
+  BatchMemOpFn fn = batch_mem_op();
+  if (!fn) return "jax_sdma_moe dispatch (ce): cuStreamBatchMemOp is not available from the driver";
+  for (size_t i = 0; i < addrs.size(); i += 128) {
+    const size_t n = std::min<size_t>(128, addrs.size() - i);
+    std::vector<CUstreamBatchMemOpParams> ops(n);
+    std::memset(ops.data(), 0, n * sizeof(CUstreamBatchMemOpParams));
+    for (size_t j = 0; j < n; ++j) {
+      ops[j].writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
+      ops[j].writeValue.address = reinterpret_cast<CUdeviceptr>(addrs[i + j]);
+      ops[j].writeValue.value = value;
+      ops[j].writeValue.flags = CU_STREAM_WRITE_VALUE_DEFAULT;
+    }
+    const CUresult r = fn(reinterpret_cast<CUstream>(st), unsigned(n), ops.data(), 0);
+    if (r != CUDA_SUCCESS)
+      return "jax_sdma_moe dispatch (ce): cuStreamBatchMemOp failed (CUresult " +
+             std::to_string(int(r)) + ")";
+  }
+  return "";
+}
+
+struct CopyBatch {
+  std::vector<void*> dst;
+  std::vector<const void*> src;
+  std::vector<size_t> bytes;
+  void add(void* d, const void* s, size_t n) {
+    if (n == 0) return;
+    dst.push_back(d);
+    src.push_back(s);
+    bytes.push_back(n);
+  }
+  void clear() { dst.clear(), src.clear(), bytes.clear(); }
+};
+
+// The batch on the copy engines, in stream order.
+std::string put(CopyBatch& b, cudaStream_t st, RankStats& stats) {
+  if (b.dst.empty()) return "";
+  stats.copies += b.dst.size();
+  cudaMemcpyAttributes attr{};
+  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+  size_t attr_index = 0;
+#if CUDART_VERSION >= 13000
+  cudaError_t e = cudaMemcpyBatchAsync(b.dst.data(), b.src.data(), b.bytes.data(), b.dst.size(),
+                                       &attr, &attr_index, 1, st);
+#else
+  size_t fail = 0;
+  cudaError_t e = cudaMemcpyBatchAsync(b.dst.data(), const_cast<void**>(b.src.data()),
+                                       b.bytes.data(), b.dst.size(), &attr, &attr_index, 1, &fail,
+                                       st);
+#endif
+  if (e != cudaSuccess) {  // older drivers: one copy at a time
+    cudaGetLastError();
+    stats.batch_error = int(e);
+    stats.single_copies += b.dst.size();
+    for (size_t i = 0; i < b.dst.size(); ++i)
+      JSM_CUDA_TRY("dispatch ce copy",
+                   cudaMemcpyAsync(b.dst[i], b.src[i], b.bytes[i], cudaMemcpyDefault, st));
+  }
+  b.clear();
+  return "";
+}
+
+}  // namespace
+
+// Engine ce, step 1 of the protocol for rank `me`, on XLA's stream `st`: this rank's plan (its
+// counts) to every destination by the copy engines, each followed by the write of its flag there.
+std::string ce_plan_put(cudaStream_t st, const WindowSet& w, LocalRank& me, const cuda::EpArgs& a,
+                        uint32_t epoch) {
+  const int64_t R = w.g.R, EL = w.g.EL;
+  const int p = int(epoch & 1), rank = me.rank;
+  const EpWindowLayout& L = w.L;
+  std::vector<uint32_t*> flags;
+  for (int64_t d = 0; d < R; ++d) {
+    JSM_CUDA_TRY("dispatch ce plan",
+                 cudaMemcpyAsync(at<int32_t>(me.peers.base[d], L.plan[p]) + rank * R * EL,
+                                 a.counts, size_t(R * EL) * 4, cudaMemcpyDefault, st));
+    flags.push_back(at<uint32_t>(me.peers.base[d], L.plan_flag[p]) + rank);
+  }
+  return write_flags(st, flags, epoch);
+}
+
+// Engine ce, step 2: every source's plan read back to the host (me.h_plan) through stream `st`;
+// the host waits for it, bounded (one host synchronisation per call, like DeepEP's normal mode),
+// then computes where this rank's segments land (`puts`). The first poll also waits for what `st`
+// holds before it (XLA's stream: this rank's route and qpack; the side stream: the fork), counted
+// apart as plan_stream_ns; the rest is the peers.
+std::string ce_plan_wait(cudaStream_t st, const WindowSet& w, LocalRank& me, uint32_t epoch,
+                         const DispatchOptions& opt, std::chrono::steady_clock::time_point started,
+                         std::vector<SegmentPut>& puts) {
+  const int64_t R = w.g.R, EL = w.g.EL;
+  const int p = int(epoch & 1);
+  const EpWindowLayout& L = w.L;
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(opt.timeout_s));
+  for (bool first = true;; first = false) {
+    JSM_CUDA_TRY("dispatch ce plan wait",
+                 cudaMemcpyAsync(me.h_flags, at<uint32_t>(me.own, L.plan_flag[p]), size_t(R) * 4,
+                                 cudaMemcpyDeviceToHost, st));
+    JSM_CUDA_TRY("dispatch ce plan wait", cudaStreamSynchronize(st));
+    if (first) me.stats->plan_stream_ns += elapsed_ns(started);
+    int64_t missing = -1;
+    for (int64_t s = 0; s < R && missing < 0; ++s)
+      if (!cuda::epoch_reached(me.h_flags[s], epoch)) missing = s;
+    if (missing < 0) break;
+    if (Clock::now() > deadline) {
+      volatile EpError* e = me.err_host;
+      e->peer = uint32_t(missing), e->expert = 0, e->epoch = epoch, e->code = 1;
+      return describe(me);
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(10));
+  }
+  JSM_CUDA_TRY("dispatch ce plan read",
+               cudaMemcpyAsync(me.h_plan, at<int32_t>(me.own, L.plan[p]),
+                               size_t(R * R * EL) * 4, cudaMemcpyDeviceToHost, st));
+  JSM_CUDA_TRY("dispatch ce plan read", cudaStreamSynchronize(st));
+  puts = segment_puts(me.h_plan, R, EL, me.rank, opt.row_align, w.g.m_cap);
+  me.stats->calls += 1;
+  me.stats->plan_ns += elapsed_ns(started);
+  return "";
+}
+
+// Engine ce, step 3: the rows and their headers (made by dispatch() before the fork) that go to
+// the peers, put where `puts` says (ce_plan_wait), on the side stream after the fused GEMM's
+// launch. (The rank's own segments are stored by a kernel: engine.cu says why.)
+std::string ce_peer_rows(cudaStream_t stream, const WindowSet& w, LocalRank& me,
+                         const cuda::EpArgs& a, uint32_t epoch, const std::vector<SegmentPut>& puts,
+                         cudaEvent_t after_first_chunk) {
+  const int64_t R = w.g.R, EL = w.g.EL, H = w.g.H, HS = H / kBlock;
+  const int p = int(epoch & 1), rank = me.rank;
+  const EpWindowLayout& L = w.L;
+  const cuda::RowHeader* headers = at<cuda::RowHeader>(me.own, L.send_headers);
+  const auto started = std::chrono::steady_clock::now();
+  std::vector<uint32_t*> flags;
+  // segments in chunks of experts, each chunk to every destination then its signals: every
+  // rank's fused GEMM can start on its first experts while later ones move
+  CopyBatch batch;
+  for (int64_t e0 = 0; e0 < EL; e0 += kFlagChunk) {
+    for (int64_t j = 1; j < R; ++j) {
+      const int64_t d = (rank + j) % R;
+      uint8_t* dst = me.peers.base[d];
+      flags.clear();
+      for (int64_t e = e0; e < std::min<int64_t>(EL, e0 + kFlagChunk); ++e) {
+        const SegmentPut& q = puts[size_t(d * EL + e)];
+        batch.add(at<uint8_t>(dst, L.values[p]) + q.base * H, a.values + q.from * H,
+                  size_t(q.keep * H));
+        batch.add(at<uint8_t>(dst, L.scales[p]) + q.base * HS, a.scales + q.from * HS,
+                  size_t(q.keep * HS));
+        batch.add(at<cuda::RowHeader>(dst, L.headers[p]) + q.base, headers + q.from,
+                  size_t(q.keep) * sizeof(cuda::RowHeader));
+        flags.push_back(at<uint32_t>(dst, L.seg_flag[p]) + e * R + rank);
+      }
+      std::string err = put(batch, stream, *me.stats);
+      if (err.empty()) err = write_flags(stream, flags, epoch);
+      if (!err.empty()) return err;
+      if (after_first_chunk) {
+        JSM_CUDA_TRY("dispatch mark", cudaEventRecord(after_first_chunk, stream));
+        after_first_chunk = nullptr;
+      }
+    }
+  }
+  me.stats->enqueue_ns += elapsed_ns(started);
+  return "";
+}
+
+}  // namespace ep
+}  // namespace jsm

@@ -1,0 +1,37 @@
+// Internal to kernels/cuda/ep: engine ce's host steps (copy_engine.cu), in the order engine.cu's
+// dispatch() runs them. Each returns "" or an error message.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "kernels/common/layout.h"  // SegmentPut
+#include "kernels/common/options.h"
+#include "kernels/cuda/ep/args.h"
+#include "kernels/cuda/ep/state.h"
+
+namespace jsm {
+namespace ep {
+
+// 1. this rank's plan (its send counts) to every destination, each followed by its flag there.
+std::string ce_plan_put(cudaStream_t st, const WindowSet& w, LocalRank& me, const cuda::EpArgs& a,
+                        uint32_t epoch);
+
+// 2. the host's bounded wait for every source's plan through stream `st`, then where this rank's
+// segments land (`puts`).
+std::string ce_plan_wait(cudaStream_t st, const WindowSet& w, LocalRank& me, uint32_t epoch,
+                         const DispatchOptions& opt, std::chrono::steady_clock::time_point started,
+                         std::vector<SegmentPut>& puts);
+
+// 3. the rows and their headers that go to the peers, where `puts` says, each chunk of experts
+// followed by its signals. after_first_chunk: an event recorded once the first chunk is enqueued
+// (or null).
+std::string ce_peer_rows(cudaStream_t stream, const WindowSet& w, LocalRank& me,
+                         const cuda::EpArgs& a, uint32_t epoch, const std::vector<SegmentPut>& puts,
+                         cudaEvent_t after_first_chunk = nullptr);
+
+}  // namespace ep
+}  // namespace jsm

@@ -1,0 +1,99 @@
+// Internal to kernels/cuda/ep: the host state of a window set (one per Runtime and dispatch
+// geometry) and of each of its ranks in this process, shared by windows.cu (the registry and the
+// windows' lifetime), engine.cu (the dispatch sequence) and copy_engine.cu (engine ce's host
+// steps).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels/common/options.h"
+#include "kernels/cuda/ep/window.h"
+
+namespace jsm {
+namespace ep {
+
+// Where a fused call's time goes on the device, from CUDA events on its two streams (read back at
+// the rank's next call, once they have completed): the dispatch's start on XLA's stream; XLA's
+// stream reaching the fused GEMM (every earlier step of the dispatch done: for ce the plan's host
+// wait and the own copies) and leaving it; the side stream done (ce: the peers' copies; sm: its
+// kernel); ce: the first chunk of peers' copies landed.
+enum Mark { kStart, kGemmStart, kGemmEnd, kSideEnd, kFirstChunk, kMarks };
+
+struct RankStats {  // written by the rank's calls, read by host_stats() from another thread
+  std::atomic<uint64_t> calls{0}, plan_ns{0}, plan_stream_ns{0}, enqueue_ns{0};
+  // row copies enqueued, those enqueued one at a time because cudaMemcpyBatchAsync refused the
+  // batch, and its last refusal (a cudaError_t; 0: none)
+  std::atomic<uint64_t> copies{0}, single_copies{0};
+  std::atomic<int> batch_error{0};
+  // the timeline: calls counted, and per mark (kGemmStart..) the total ns after kStart
+  std::atomic<uint64_t> timed_calls{0}, first_chunk_calls{0}, mark_ns[kMarks]{};
+};
+
+struct LocalRank {
+  int rank = -1, device = -1;
+  std::shared_ptr<RankStats> stats = std::make_shared<RankStats>();
+  uint8_t* own = nullptr;
+  cuda::PeerTable peers{};
+  std::vector<void*> opened;  // IPC-opened peer windows
+  uint32_t epoch = 0;
+  double timeout_s = 0;
+  cuda::EpError* err_host = nullptr;  // mapped pinned memory
+  cuda::EpError* err_dev = nullptr;
+  uint32_t* h_flags = nullptr;  // pinned
+  int32_t* h_plan = nullptr;    // pinned
+  cudaStream_t side = nullptr;  // row copies (ce) or the sm kernel, beside XLA's stream
+  cudaEvent_t fork = nullptr, join = nullptr;
+  cudaEvent_t marks[kMarks] = {};
+  bool marks_pending = false;  // the last call's marks, not yet read
+};
+
+struct WindowSet {
+  EngineId engine = EngineId::kCe;
+  int sm_blocks = 0;
+  DispatchGeometry g{};
+  cuda::EpWindowLayout L{};
+  std::vector<LocalRank> local;
+  bool connected = false;
+};
+
+// The registered set `id`, or null (windows.cu).
+std::shared_ptr<WindowSet> find_set(int64_t id);
+
+inline uint64_t elapsed_ns(std::chrono::steady_clock::time_point since) {
+  return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                      std::chrono::steady_clock::now() - since)
+                      .count());
+}
+
+inline std::string cuda_error(const std::string& what, cudaError_t e) {
+  return "jax_sdma_moe (" + what + "): " + cudaGetErrorString(e);
+}
+
+#define JSM_CUDA_TRY(what, expr)                                   \
+  do {                                                             \
+    cudaError_t _e = (expr);                                       \
+    if (_e != cudaSuccess) return ::jsm::ep::cuda_error(what, _e); \
+  } while (0)
+
+// "" or the error a bounded wait recorded for this rank, naming rank, peer and epoch.
+inline std::string describe(const LocalRank& me) {
+  volatile cuda::EpError* v = me.err_host;  // the code is written last (after a system fence)
+  const cuda::EpError e{v->code, v->peer, v->expert, v->epoch};
+  if (e.code == 0) return "";
+  const std::string what = e.code == 1 ? "the plan (send counts)"
+                                       : "the rows of local expert " + std::to_string(e.expert);
+  return "jax_sdma_moe dispatch: rank " + std::to_string(me.rank) + " timed out after " +
+         std::to_string(me.timeout_s) + " s waiting for " + what + " from peer rank " +
+         std::to_string(e.peer) + " (epoch " + std::to_string(e.epoch) +
+         "); the peer did not arrive. The Runtime's windows are now out of step: create a new "
+         "Runtime.";
+}
+
+}  // namespace ep
+}  // namespace jsm

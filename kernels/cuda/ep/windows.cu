@@ -1,0 +1,226 @@
+// The window sets of engines ce and sm: a process-global registry (every executable of a Runtime
+// shares a set, made before tracing so IPC handles can be exchanged), each set's device windows,
+// pinned host buffers, side stream and events per local rank, and their statistics.
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <map>
+#include <mutex>
+
+#include "kernels/cuda/ep/engine.h"
+#include "kernels/cuda/ep/state.h"
+
+namespace jsm {
+namespace ep {
+namespace {
+
+using cuda::EpError;
+
+constexpr int64_t kMaxSegments = 4096;  // R * EL: the sm kernel keeps its segment table in smem
+
+std::mutex g_mu;
+std::map<int64_t, std::shared_ptr<WindowSet>> g_sets;  // id -> the window set
+int64_t g_next_id = 1;
+
+struct DeviceGuard {
+  int prev = 0;
+  explicit DeviceGuard(int dev) {
+    cudaGetDevice(&prev);
+    cudaSetDevice(dev);
+  }
+  ~DeviceGuard() { cudaSetDevice(prev); }
+};
+
+LocalRank* local_rank(WindowSet& w, int64_t rank) {
+  for (auto& l : w.local)
+    if (l.rank == rank) return &l;
+  return nullptr;
+}
+
+void free_rank(LocalRank& l) {
+  DeviceGuard guard(l.device);
+  cudaDeviceSynchronize();
+  for (void* p : l.opened) cudaIpcCloseMemHandle(p);
+  if (l.own) cudaFree(l.own);
+  if (l.err_host) cudaFreeHost(l.err_host);
+  if (l.h_flags) cudaFreeHost(l.h_flags);
+  if (l.h_plan) cudaFreeHost(l.h_plan);
+  if (l.side) cudaStreamDestroy(l.side);
+  if (l.fork) cudaEventDestroy(l.fork);
+  for (cudaEvent_t ev : l.marks)
+    if (ev) cudaEventDestroy(ev);
+  if (l.join) cudaEventDestroy(l.join);
+  l = LocalRank{};
+}
+
+}  // namespace
+
+std::shared_ptr<WindowSet> find_set(int64_t id) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = g_sets.find(id);
+  return it == g_sets.end() ? nullptr : it->second;
+}
+
+int64_t windows_create(EngineId engine, int sm_blocks, const DispatchGeometry& g,
+                       const std::vector<int64_t>& ranks, const std::vector<int64_t>& devices,
+                       std::string* err) {
+  const int64_t R = g.R;
+  if (engine != EngineId::kCe && engine != EngineId::kSm) {
+    *err = std::string("jax_sdma_moe: window sets are for engines ce and sm, not ") +
+           engine_name(engine);
+    return 0;
+  }
+  if (R < 2 || R > cuda::kMaxRanks) {
+    *err = "jax_sdma_moe: the ce/sm engines need 2 to " + std::to_string(cuda::kMaxRanks) +
+           " ranks, got " + std::to_string(R);
+    return 0;
+  }
+  if (R * g.EL > kMaxSegments) {
+    *err = "jax_sdma_moe: ranks x local experts = " + std::to_string(R * g.EL) + " exceeds " +
+           std::to_string(kMaxSegments) + " (the sm engine's segment table)";
+    return 0;
+  }
+  if (ranks.size() != devices.size()) {
+    *err = "jax_sdma_moe: ranks and devices differ in length";
+    return 0;
+  }
+  auto w = std::make_shared<WindowSet>();
+  w->engine = engine, w->sm_blocks = sm_blocks, w->g = g;
+  w->L = cuda::ep_window_layout(g);
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    LocalRank l;
+    l.rank = int(ranks[i]), l.device = int(devices[i]);
+    DeviceGuard guard(l.device);
+    cudaError_t e = cudaMalloc(&l.own, size_t(w->L.bytes));
+    if (e == cudaSuccess) e = cudaMemset(l.own, 0, size_t(w->L.bytes));
+    if (e == cudaSuccess)
+      e = cudaHostAlloc(&l.err_host, sizeof(EpError), cudaHostAllocMapped | cudaHostAllocPortable);
+    if (e == cudaSuccess) std::memset(l.err_host, 0, sizeof(EpError));
+    if (e == cudaSuccess) e = cudaHostGetDevicePointer(&l.err_dev, l.err_host, 0);
+    if (e == cudaSuccess) e = cudaMallocHost(&l.h_flags, size_t(R) * 4);
+    if (e == cudaSuccess) e = cudaMallocHost(&l.h_plan, size_t(R * R * g.EL) * 4);
+    if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&l.side, cudaStreamNonBlocking);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&l.fork, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&l.join, cudaEventDisableTiming);
+    for (cudaEvent_t& ev : l.marks)
+      if (e == cudaSuccess) e = cudaEventCreate(&ev);
+    if (e == cudaSuccess) e = cudaDeviceSynchronize();
+    l.peers.base[l.rank] = l.own;
+    w->local.push_back(l);
+    if (e != cudaSuccess) {
+      *err = cuda_error("window of rank " + std::to_string(l.rank) + " (" +
+                            std::to_string(w->L.bytes) + " bytes on device " +
+                            std::to_string(l.device) + ")",
+                        e);
+      for (auto& made : w->local) free_rank(made);
+      return 0;
+    }
+  }
+  std::lock_guard<std::mutex> lock(g_mu);
+  const int64_t id = g_next_id++;
+  g_sets[id] = w;
+  return id;
+}
+
+std::string windows_connect_local(int64_t id) {
+  auto w = find_set(id);
+  if (!w) return "jax_sdma_moe: unknown window set";
+  if (int64_t(w->local.size()) != w->g.R) return "jax_sdma_moe: not every rank is in this process";
+  for (auto& a : w->local) {
+    DeviceGuard guard(a.device);
+    for (auto& b : w->local) {
+      a.peers.base[b.rank] = b.own;
+      if (a.device == b.device) continue;
+      int can = 0;
+      JSM_CUDA_TRY("peer access", cudaDeviceCanAccessPeer(&can, a.device, b.device));
+      if (!can)
+        return "jax_sdma_moe: device " + std::to_string(a.device) + " cannot access device " +
+               std::to_string(b.device) + " (no peer access): use engine 'xla'";
+      cudaError_t e = cudaDeviceEnablePeerAccess(b.device, 0);
+      if (e == cudaErrorPeerAccessAlreadyEnabled)
+        cudaGetLastError();
+      else if (e != cudaSuccess)
+        return cuda_error("peer access", e);
+    }
+  }
+  w->connected = true;
+  return "";
+}
+
+std::string window_ipc_handle(int64_t id, int64_t rank, std::string* handle) {
+  auto w = find_set(id);
+  LocalRank* me = w ? local_rank(*w, rank) : nullptr;
+  if (!me) return "jax_sdma_moe: rank " + std::to_string(rank) + " has no window here";
+  DeviceGuard guard(me->device);
+  cudaIpcMemHandle_t h;
+  JSM_CUDA_TRY("IPC handle", cudaIpcGetMemHandle(&h, me->own));
+  handle->assign(reinterpret_cast<const char*>(&h), sizeof(h));
+  return "";
+}
+
+std::string windows_open(int64_t id, int64_t rank, const std::vector<std::string>& handles) {
+  auto w = find_set(id);
+  LocalRank* me = w ? local_rank(*w, rank) : nullptr;
+  if (!me) return "jax_sdma_moe: rank " + std::to_string(rank) + " has no window here";
+  if (int64_t(handles.size()) != w->g.R) return "jax_sdma_moe: one IPC handle per rank expected";
+  DeviceGuard guard(me->device);
+  for (int64_t s = 0; s < w->g.R; ++s) {
+    if (s == rank) continue;
+    if (handles[size_t(s)].size() != sizeof(cudaIpcMemHandle_t))
+      return "jax_sdma_moe: malformed IPC handle from rank " + std::to_string(s);
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, handles[size_t(s)].data(), sizeof(h));
+    void* p = nullptr;
+    JSM_CUDA_TRY("opening the window of rank " + std::to_string(s),
+                 cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess));
+    me->opened.push_back(p);
+    me->peers.base[s] = static_cast<uint8_t*>(p);
+  }
+  w->connected = true;
+  return "";
+}
+
+void windows_destroy(int64_t id) {
+  std::shared_ptr<WindowSet> w;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    auto it = g_sets.find(id);
+    if (it == g_sets.end()) return;
+    w = it->second;
+    g_sets.erase(it);
+  }
+  for (auto& l : w->local) free_rank(l);
+}
+
+std::string error_message(int64_t id) {
+  auto w = find_set(id);
+  if (!w) return "";
+  for (auto& l : w->local) {
+    std::string m = describe(l);
+    if (!m.empty()) return m;
+  }
+  return "";
+}
+
+std::vector<HostStats> host_stats(int64_t id) {
+  std::vector<HostStats> out;
+  auto w = find_set(id);
+  if (!w) return out;
+  for (auto& l : w->local)
+    out.push_back(HostStats{l.rank, l.stats->calls.load(), l.stats->plan_ns.load() * 1e-3,
+                            l.stats->plan_stream_ns.load() * 1e-3,
+                            l.stats->enqueue_ns.load() * 1e-3, l.stats->copies.load(),
+                            l.stats->single_copies.load(),
+                            l.stats->batch_error ? cudaGetErrorName(cudaError_t(
+                                                       l.stats->batch_error.load()))
+                                                 : "",
+                            l.stats->timed_calls.load(), l.stats->first_chunk_calls.load(),
+                            l.stats->mark_ns[kGemmStart].load() * 1e-3,
+                            l.stats->mark_ns[kGemmEnd].load() * 1e-3,
+                            l.stats->mark_ns[kSideEnd].load() * 1e-3,
+                            l.stats->mark_ns[kFirstChunk].load() * 1e-3});
+  return out;
+}
+
+}  // namespace ep
+}  // namespace jsm

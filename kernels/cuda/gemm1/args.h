@@ -1,0 +1,54 @@
+// The arguments of every grouped MX-fp8 GEMM1 + SwiGLU kernel (DESIGN.md §3) and the tile geometry
+// they share. Plain data, host and device: the launcher (launch.cu) fills it, each kernel's TU
+// reads it.
+#pragma once
+
+#include <stdint.h>
+
+#include "kernels/cuda/ep/window.h"  // EpError, kMaxRanks
+
+namespace jsm {
+namespace cuda {
+namespace gemm1 {
+
+// A CTA tile: BM landed rows x BN output columns, i.e. BN gate + BN up weight rows (BNW).
+constexpr int BM = 128, BN = 64, BNW = 2 * BN;
+constexpr int kMaxExperts = 1024;  // the tile scheduler's prefix lives in shared memory
+// MX blocks per pipeline stage of both kernels: 4 x 32 = 128 bytes of K per row (one SW128 atom
+// row of the wgmma kernel; measured 5-20% faster than 8 for the mma.sync kernel on an H200).
+constexpr int KB = 4;
+
+struct Gemm1Args {
+  const uint8_t* a;         // [m_cap, H] e4m3
+  const uint8_t* a_scales;  // [m_cap, H/32] e8m0
+  const int32_t* offsets;   // [EL]
+  const int32_t* counts;    // [EL]
+  const uint8_t* w;         // [EL, 2I, H]
+  const uint8_t* w_scales;  // [EL, 2I, H/32]
+  int EL;
+  int64_t H, I, m_cap;
+  bool has_limit;
+  float limit;
+  bool scales_aligned;  // H % 128 == 0: a stage's 4 scale bytes of a row are one aligned word
+  uint16_t* h_bf16;    // [m_cap, I] or null
+  uint8_t* h_values;   // [m_cap, I] or null (mxfp8 output)
+  uint8_t* h_scales;   // [m_cap, I/32]
+  // Fused with a dispatch (engines ce, sm): the call's epoch is *epoch_counter (on the device, so
+  // a replayed CUDA graph reads the right one); the rows are the landing slot of its parity, and
+  // expert e's rows may be read once slot_arrival[parity][e * arrival_ranks + s] has reached the
+  // epoch for every source s. epoch_counter null: not fused, a and a_scales hold the rows.
+  const uint32_t* epoch_counter;
+  const uint8_t* slot_values[2];
+  const uint8_t* slot_scales[2];
+  const uint32_t* slot_arrival[2];
+  int arrival_ranks;
+  uint64_t timeout_ns;
+  EpError* err;
+  // set by resolve_slot in the kernel
+  const uint32_t* arrival;  // null: nothing to wait for
+  uint32_t epoch;
+};
+
+}  // namespace gemm1
+}  // namespace cuda
+}  // namespace jsm

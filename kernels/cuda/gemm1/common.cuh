@@ -1,0 +1,80 @@
+// Device helpers both GEMM1 kernels share: cp.async copies into shared memory, and the epilogue
+// (SwiGLU, then bf16 or MX-fp8 stores of one 32-column MX block of h).
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "kernels/common/mxfp8.h"
+#include "kernels/cuda/gemm1/args.h"
+
+namespace jsm {
+namespace cuda {
+namespace gemm1 {
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_small(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "n"(N), "r"(valid ? N : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ float swiglu(float g, float u, bool has_limit, float limit) {
+  if (has_limit) {
+    g = fminf(g, limit);
+    u = fminf(fmaxf(u, -limit), limit);
+  }
+  return g / (1.0f + expf(-g)) * u;
+}
+
+// One row's 32-column MX block of h, this thread's 8 values v[n][c] at columns n * 8 + tig * 2 + c:
+// bf16 stores, or MX-fp8 with the block maximum reduced over the quad (all 4 lanes must call).
+__device__ __forceinline__ void store_block(const Gemm1Args& g, int64_t row, int64_t col0,
+                                            bool valid, const float (&v)[4][2], int tig) {
+  if (g.h_bf16) {
+    if (!valid) return;
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      const uint32_t packed = uint32_t(f32_to_bf16(v[n][0])) | uint32_t(f32_to_bf16(v[n][1])) << 16;
+      *reinterpret_cast<uint32_t*>(g.h_bf16 + row * g.I + col0 + n * 8 + tig * 2) = packed;
+    }
+    return;
+  }
+  float amax = 0.0f;
+  bool finite = true;
+#pragma unroll
+  for (int n = 0; n < 4; ++n)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      amax = fmaxf(amax, fabsf(v[n][c]));
+      finite &= isfinite(v[n][c]);
+    }
+#pragma unroll
+  for (int o = 1; o <= 2; o <<= 1) {
+    amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+    finite = __shfl_xor_sync(0xFFFFFFFFu, int(finite), o) && finite;
+  }
+  if (!valid) return;
+  const uint32_t e = finite ? e8m0_for_amax(amax) : kScaleNaN;
+  const float mul = quant_multiplier(e);
+#pragma unroll
+  for (int n = 0; n < 4; ++n) {
+    const uint8_t y0 = finite ? f32_to_e4m3fn(v[n][0] * mul) : kValueNaN;
+    const uint8_t y1 = finite ? f32_to_e4m3fn(v[n][1] * mul) : kValueNaN;
+    *reinterpret_cast<uint16_t*>(g.h_values + row * g.I + col0 + n * 8 + tig * 2) =
+        uint16_t(y0 | (y1 << 8));
+  }
+  if (tig == 0) g.h_scales[row * (g.I / kBlock) + col0 / kBlock] = uint8_t(e);
+}
+
+}  // namespace gemm1
+}  // namespace cuda
+}  // namespace jsm

@@ -1,0 +1,29 @@
+// Host launchers of the GEMM1 kernel variants, each compiled in its own translation unit; the one
+// entry that picks between them is launch.h. Each only enqueues on `stream` (g complete, including
+// g.scales_aligned); the caller checks cudaGetLastError().
+#pragma once
+
+#include <cuda.h>  // CUtensorMap
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/gemm1/args.h"
+
+namespace jsm {
+namespace cuda {
+namespace gemm1 {
+
+// sm90_tma_ws.cu: warp-specialised, TMA loads and wgmma (H % 128 == 0). A is loaded in boxes of
+// kTmaABoxRows rows: only the tile's valid rows (rounded up) cost memory traffic, as cp.async's
+// zero-fill did. map_a0, map_a1: the landed rows [m_cap, H] (fused with a dispatch: one map per
+// landing-slot parity; else map_a1 is unused), boxes kTmaABoxRows x 128 B; map_b: w1 [EL * 2I, H],
+// boxes BN x 128 B. Tiles of <= 64 rows split their K stages between the two consumer warpgroups.
+constexpr int kTmaABoxRows = 16;
+void launch_sm90_tma_ws(const Gemm1Args& g, const CUtensorMap& map_a0, const CUtensorMap& map_a1,
+                        const CUtensorMap& map_b, int grid, cudaStream_t stream);
+
+// sm80_mma.cu: mma.sync with cp.async stages (any H % 32 == 0).
+void launch_sm80_mma(const Gemm1Args& g, int grid, cudaStream_t stream);
+
+}  // namespace gemm1
+}  // namespace cuda
+}  // namespace jsm

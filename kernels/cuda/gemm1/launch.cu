@@ -1,0 +1,83 @@
+// GEMM1's host entry (launch.h): the kernel choice and the TMA tensor maps of the wgmma kernel.
+#include "kernels/cuda/gemm1/launch.h"
+
+#include <cuda.h>  // CUtensorMap (the encoder comes from the driver at run time)
+
+#include "kernels/cuda/gemm1/kernels.h"
+#include "kernels/cuda/launch_util.h"
+#include "kernels/cuda/stages.h"
+
+namespace jsm {
+namespace cuda {
+namespace gemm1 {
+namespace {
+
+std::string last_error(const char* what) {
+  cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess) return "";
+  return std::string("jax_sdma_moe ") + what + ": " + cudaGetErrorString(err);
+}
+
+// A stage's KB scale bytes of a row can be one cp.async when rows of scales keep them aligned.
+bool scales_aligned(const Gemm1Args& g, int kb) {
+  return (g.H / kBlock) % kb == 0 && reinterpret_cast<uintptr_t>(g.a_scales) % kb == 0 &&
+         reinterpret_cast<uintptr_t>(g.w_scales) % kb == 0;
+}
+
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                   const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                   const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// A TMA map of a row-major byte matrix [rows, cols]: boxes of box_rows x 128 bytes, 128-byte
+// swizzle (the K-major layout wgmma reads), zeros outside.
+std::string tensor_map(CUtensorMap* map, const void* base, int64_t cols, int64_t rows,
+                       uint32_t box_rows) {
+  static EncodeTiledFn encode = driver_function<EncodeTiledFn>("cuTensorMapEncodeTiled");
+  if (!encode) return "jax_sdma_moe gemm1: no cuTensorMapEncodeTiled";
+  const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
+  const cuuint64_t strides[1] = {cuuint64_t(cols)};
+  const cuuint32_t box[2] = {128, box_rows};
+  const cuuint32_t elem[2] = {1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims,
+                            strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    return "jax_sdma_moe gemm1: cuTensorMapEncodeTiled failed (CUresult " +
+           std::to_string(int(r)) + ")";
+  return "";
+}
+
+}  // namespace
+
+std::string launch_gemm1(Gemm1Args g, int grid, cudaStream_t stream, const Gemm1Options& opt) {
+  g.has_limit = opt.has_limit;
+  g.limit = opt.swiglu_limit;
+  const int64_t row_bytes = g.h_bf16 ? g.I * 2 : g.I;
+  const int64_t scale_bytes = g.h_bf16 ? 0 : g.I / kBlock;
+  launch_zero_padding_rows(g.offsets, g.counts, g.EL, g.m_cap, row_bytes,
+                           g.h_bf16 ? reinterpret_cast<uint8_t*>(g.h_bf16) : g.h_values,
+                           g.h_scales, scale_bytes, stream);
+  std::string err = last_error("gemm1 padding");
+  if (!err.empty() || g.m_cap == 0) return err;
+  g.scales_aligned = scales_aligned(g, KB);
+  if (g.H % 128 == 0) {
+    CUtensorMap map_a0, map_a1, map_b;
+    err = tensor_map(&map_a0, g.epoch_counter ? g.slot_values[0] : g.a, g.H, g.m_cap,
+                     kTmaABoxRows);
+    if (err.empty())
+      err = tensor_map(&map_a1, g.epoch_counter ? g.slot_values[1] : g.a, g.H, g.m_cap,
+                       kTmaABoxRows);
+    if (err.empty()) err = tensor_map(&map_b, g.w, g.H, int64_t(g.EL) * 2 * g.I, BN);
+    if (!err.empty()) return err;
+    launch_sm90_tma_ws(g, map_a0, map_a1, map_b, grid, stream);
+  } else {
+    launch_sm80_mma(g, grid, stream);
+  }
+  return last_error("gemm1");
+}
+
+}  // namespace gemm1
+}  // namespace cuda
+}  // namespace jsm

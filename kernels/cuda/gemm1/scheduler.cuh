@@ -1,0 +1,112 @@
+// The device-side tile scheduler of the persistent GEMM1 kernels: work items (expert, row tile,
+// column tile) from the device-side expert counts, and the bounded wait for an expert's arrival
+// signals when the GEMM is fused with a dispatch.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "kernels/cuda/ep/window.h"
+#include "kernels/cuda/gemm1/args.h"
+#include "kernels/cuda/layout.cuh"
+
+namespace jsm {
+namespace cuda {
+namespace gemm1 {
+
+// The kernel's view of its arguments: a fused call's slot of this epoch.
+__device__ __forceinline__ Gemm1Args resolve_slot(const Gemm1Args& in) {
+  Gemm1Args g = in;
+  if (in.epoch_counter) {
+    g.epoch = *static_cast<volatile const uint32_t*>(in.epoch_counter);
+    const int p = int(g.epoch & 1);
+    g.a = in.slot_values[p];
+    g.a_scales = in.slot_scales[p];
+    g.arrival = in.slot_arrival[p];
+  }
+  return g;
+}
+
+struct Tile {
+  int e;
+  int64_t row0;  // first landed row of the tile
+  int rows;      // valid rows in the tile
+  int64_t n0;    // first output column
+};
+
+// Work items (expert, row tile, column tile) numbered from the device-side expert counts: one
+// launch covers every expert with no host round trip. Fused with a dispatch, a CTA waits (bounded)
+// for an expert's arrival signals before the expert's first tile: each expert starts as soon as
+// its rows have landed.
+static_assert(kMaxRanks <= kWarp, "wait_arrival reads one source per lane of a warp");
+
+struct TileScheduler {
+  int32_t tile_start[kMaxExperts + 1];
+
+  static __device__ __forceinline__ int n_tiles(const Gemm1Args& g) {
+    return int((g.I + BN - 1) / BN);
+  }
+
+  // Pipeline stages per tile, kb MX blocks (kb * 32 bytes of K per row) each.
+  static __device__ __forceinline__ int k_stages(const Gemm1Args& g, int kb) {
+    return int((g.H / kBlock + kb - 1) / kb);
+  }
+
+  __device__ __forceinline__ void init(const Gemm1Args& g) {
+    exclusive_scan_smem(g.EL, tile_start,
+                        [&](int e) { return (g.counts[e] + BM - 1) / BM * n_tiles(g); });
+  }
+
+  __device__ __forceinline__ int total(const Gemm1Args& g) const { return tile_start[g.EL]; }
+
+  // Warp 0 waits (bounded) until every source's rows of expert e have landed, lane s reading
+  // source s's signal, so all signals come in one round trip per poll; the caller's next barrier
+  // releases the rest of the block (every thread of warp 0 must call this). `ready` caches the
+  // last expert seen complete.
+  static __device__ __forceinline__ void wait_arrival(const Gemm1Args& g, int e, int& ready) {
+    if (!g.arrival || e == ready) return;
+    ready = e;
+    if (threadIdx.x >= kWarp) return;
+    const int lane = int(threadIdx.x);
+    const bool mine = lane < g.arrival_ranks;  // kMaxRanks <= kWarp: one source per lane
+    const uint32_t* flags = g.arrival + int64_t(e) * g.arrival_ranks;
+    const uint64_t deadline = globaltimer_ns() + g.timeout_ns;
+    for (bool first = true;; first = false) {
+      const bool ok = !mine || epoch_reached(ld_acquire_sys(flags + lane), g.epoch);
+      const unsigned missing = __ballot_sync(0xFFFFFFFFu, !ok);
+      if (missing == 0) return;
+      // not there yet: if a wait of this call already ran out (any CTA, or the dispatch), the
+      // call is failed and its rows are not trusted, so don't wait (else every expert of every
+      // CTA would wait out its own timeout). Read only here: the error word is host memory.
+      if (first && __shfl_sync(0xFFFFFFFFu, lane == 0 && static_cast<volatile EpError*>(
+                                                             g.err)->code != 0, 0))
+        return;
+      if (__shfl_sync(0xFFFFFFFFu, int(globaltimer_ns() > deadline), 0)) {
+        // bounded: the rows are not trusted, the error surfaces at the host
+        if (lane == __ffs(int(missing)) - 1)
+          record_wait_error(g.err, 2, uint32_t(lane), uint32_t(e), g.epoch);
+        return;
+      }
+      __nanosleep(256);
+    }
+  }
+
+  __device__ __forceinline__ Tile tile(const Gemm1Args& g, int w) const {
+    int lo = 0, hi = g.EL - 1;  // last expert whose first tile is <= w
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (tile_start[mid] <= w) lo = mid; else hi = mid - 1;
+    }
+    const int local = w - tile_start[lo], mt = local / n_tiles(g);
+    Tile t;
+    t.e = lo;
+    t.row0 = g.offsets[lo] + int64_t(mt) * BM;
+    t.rows = min(BM, g.counts[lo] - mt * BM);
+    t.n0 = int64_t(local % n_tiles(g)) * BN;
+    return t;
+  }
+};
+
+}  // namespace gemm1
+}  // namespace cuda
+}  // namespace jsm
