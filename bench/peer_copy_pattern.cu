@@ -1,24 +1,27 @@
 // What does moving one dispatch's rows between two GPUs cost, by how it is cut? The same ~120 MB
 // (dsv3, 4096 tokens/rank, R = 2: the half of 32768 rows of 7408 bytes that goes to the peer) is
-// sent GPU0 -> GPU1 and GPU1 -> GPU0 at once, as N segments (N = 768: engine ce's copies today, one
-// per expert and array; N = 6: one per array and destination), by:
+// sent GPU0 -> GPU1 and GPU1 -> GPU0 at once, as N segments (N = 768: one per expert and array, as
+// engine ce cuts them; N = 6: one per array and destination), by:
 //   batch   cudaMemcpyBatchAsync calls of up to 128 copies each
 //   single  N cudaMemcpyAsync calls
-//   flags   batch in chunks of 48 copies, each chunk followed by a cuStreamWriteValue32 (ce today)
-//   local   flags, but each GPU copies into its own landing buffer (ce's own segments: is a copy
-//           within one GPU dearer to enqueue? engine ce enqueues 2.6-2.8 ms for 768 copies, half
-//           of them its own, where `flags` enqueues 768 peer copies in ~1 ms)
+//   flags   batch in chunks of 48 copies, each chunk followed by a cuStreamWriteValue32 (a signal
+//           per chunk, the peer's cue that the chunk has landed)
+//   local   flags, but each GPU copies into its own landing buffer (engine ce's own segments: is a
+//           copy within one GPU dearer to enqueue than a peer copy?)
 //   sm/B/U  a copy kernel of B blocks x 512 threads, U 16-byte loads in flight per thread before
-//           their stores (engine sm: B = 24; U = 1 before this session's change, 4 after)
+//           their stores (engine sm's copy loop: B = 24, U = 4; U = 1 shows what the unroll buys)
 // Per line: GB/s per direction (max of the two directions' event times) and the host's time to
-// enqueue one direction's work (the FFI's ce engine pays it on XLA's thread every call).
+// enqueue one direction's work (engine ce pays it on XLA's thread every call).
+// It includes two of the library's headers (so it measures the library's own copy loop):
+// kernels/cuda/launch_util.h (driver_function) and kernels/cuda/ep/kernels.cuh (block_copy).
 //   nvcc -O3 -std=c++17 -arch=sm_90a -I. -o /tmp/peer bench/peer_copy_pattern.cu && /tmp/peer
+//   (or: bash bench/device/peer_copies.sh)
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include "ffi/cuda_launch.h"  // driver_function: the driver API without linking libcuda
-#include "kernels/cuda/ep_dispatch.cuh"  // block_copy: engine sm's copy loop
+#include "kernels/cuda/ep/kernels.cuh"  // block_copy: engine sm's copy loop
+#include "kernels/cuda/launch_util.h"   // driver_function: the driver API without linking libcuda
 
 #include <algorithm>
 #include <chrono>

@@ -3,7 +3,9 @@
 // stage into a ring of shared-memory buffers with cp.async: "rows" reads P bytes of each of the 128
 // rows per stage (the K-major tile walk of gemm1), "blocked" reads the same 128 * P bytes as one
 // contiguous block (a tile-major pre-packed weight layout).
+// It includes no header of the library.
 //   nvcc -O3 -arch=sm_90a -o /tmp/stream bench/stream_pattern.cu && /tmp/stream
+//   (or: bash bench/device/weight_stream.sh)
 #include <cstdio>
 #include <cuda_runtime.h>
 #include <stdint.h>

@@ -1,8 +1,10 @@
-"""bench/run.py multi-process at a tiny size: 2 processes started with --coordinator,
---num-processes, --process-id (the mode `mpirun -n 2` runs, without Open MPI), one CPU rank each;
-and --merge, which makes one report of runs cut short by a time limit."""
+"""The benchmark's command line (bench/run.py and the bench/ modules it runs) at a tiny size:
+multi-process, 2 processes started with --coordinator, --num-processes, --process-id (the mode
+`mpirun -n 2` runs, without Open MPI) and, where Open MPI's mpirun is on PATH, under mpirun; one
+CPU rank each; --merge, which makes one report of runs cut short by a time limit; --help."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -49,6 +51,35 @@ class BenchMultiProcessTest(parameterized.TestCase):
       paths = {r["path"] for r in result["results"] if "failed" not in r}
       self.assertIn("engine:xla", paths)
       self.assertIn("native:a2a+einsum(cf=1.25)", paths)
+
+
+  @absltest.skipUnless(shutil.which("mpirun"), "needs Open MPI's mpirun")
+  def test_mpirun(self):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    with tempfile.TemporaryDirectory() as out:
+      p = subprocess.run(
+          ["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable,
+           os.path.join(ROOT, "bench", "run.py"), "--tokens", "16", "--iters", "2", "--warmup",
+           "1", "--out", out], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+          stderr=subprocess.PIPE, text=True, timeout=300)
+      self.assertEqual(p.returncode, 0, f"{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
+      self.assertEqual(p.stdout.count("engine:xla  "), 1)  # process 0's table only
+      with open(os.path.join(out, "cpu-mpi2.json")) as f:
+        result = json.load(f)
+      self.assertEqual((result["meta"]["launch"], result["meta"]["processes"]), ("mpirun", 2))
+
+
+class BenchCommandLineTest(absltest.TestCase):
+
+  def test_help_prints_each_default_once(self):
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), "--help"],
+                       cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                       timeout=60)
+    self.assertEqual(p.returncode, 0, p.stderr)
+    text = " ".join(p.stdout.split())  # argparse wraps lines
+    self.assertNotIn("(default: None)", text)
+    self.assertEqual(text.count("(default: 20)"), 1)  # --iters
+    self.assertIn("--coordinator", text)
 
 
 class BenchMergeTest(absltest.TestCase):

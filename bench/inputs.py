@@ -1,0 +1,106 @@
+"""The benchmark's inputs and weights: random tokens, expert choices and w1 per (shape, tokens),
+made on the host (CPU mode: every path and the full reference get the same arrays) or on the
+devices (--gpu: nothing of dsv3's size passes through the host).
+
+Every array carries a leading rank axis [R, ...] sharded over AXIS, so each shard sees [1, ...]
+and all stages (whose outputs are stacked the same way) compose uniformly."""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jax_sdma_moe as jsm
+from jax_sdma_moe import reference
+
+AXIS = "ep"
+W1_SCALE = 0.05  # w1 ~ N(0, 1) * W1_SCALE; x ~ N(0, 1)
+
+
+class HostInputs(NamedTuple):
+  x: np.ndarray        # [R, T, H] bf16
+  ids: np.ndarray      # [R, T, K] int32, K distinct experts per token
+  weights: np.ndarray  # [R, T, K] f32
+  w1: np.ndarray       # [E, 2I, H] bf16
+
+
+def make_inputs(shape: jsm.MoEShape, R: int, T: int, rng: np.random.Generator) -> HostInputs:
+  H, I, E, K = shape.hidden, shape.intermediate, shape.num_experts, shape.topk
+  x = rng.standard_normal((R, T, H), np.float32).astype(jnp.bfloat16)
+  ids = np.argsort(rng.random((R, T, E)), axis=-1)[..., :K].astype(np.int32)
+  weights = rng.random((R, T, K), np.float32)
+  w1 = (rng.standard_normal((E, 2 * I, H), np.float32) * W1_SCALE).astype(jnp.bfloat16)
+  return HostInputs(x, ids, weights, w1)
+
+
+def native_w1(w1q: jsm.QuantizedW1) -> jax.Array:
+  """MX-fp8 [..., 2I, H] -> the JAX-native paths' bf16 weights [..., H, 2I] (exact: an e4m3 value
+  times a power of two fits bf16). A few experts at a time, so the float32 dequantised temporaries
+  stay small next to dsv3's 15 GB of bf16 weights."""
+  *lead, two_i, H = w1q.values.shape
+  flat = jax.tree.map(lambda a: a.reshape(-1, *a.shape[-2:]), w1q)
+  w = lax.map(lambda q: jnp.swapaxes(reference.dequantize(*q), -1, -2).astype(jnp.bfloat16),
+              flat, batch_size=8)
+  return w.reshape(*lead, H, two_i)
+
+
+def device_weights(mesh, shape: jsm.MoEShape, key) -> tuple:
+  """The ranks' weights made on their devices: w1q [R, E/R, 2I, H] (w1 drawn in bf16 and quantised
+  inside one jit, so the bf16 copy is freed when it returns) and the JAX-native bf16 weights
+  [R, E/R, H, 2I] made from w1q."""
+  E, H, I = shape.num_experts, shape.hidden, shape.intermediate
+  R = mesh.shape[AXIS]
+  on_mesh = NamedSharding(mesh, P(AXIS))
+
+  @functools.partial(jax.jit, out_shardings=on_mesh)
+  def make_w1q(key):
+    w1 = jax.random.normal(key, (E, 2 * I, H), jnp.bfloat16) * W1_SCALE
+    return jax.tree.map(lambda a: a.reshape(R, E // R, *a.shape[1:]), jsm.quantize_w1(w1))
+
+  w1q = jax.block_until_ready(make_w1q(key))
+  return w1q, jax.block_until_ready(jax.jit(native_w1, out_shardings=on_mesh)(w1q))
+
+
+def device_inputs(mesh, shape: jsm.MoEShape, T: int, key) -> tuple:
+  """The ranks' tokens made on their devices: (x [R, T, H] bf16, ids [R, T, K] (K distinct
+  experts per token), weights [R, T, K] f32) for the engines, and (bf16 copy of the dequantised
+  MX-fp8 x, ids) for the JAX-native paths."""
+  H, E, K = shape.hidden, shape.num_experts, shape.topk
+  R = mesh.shape[AXIS]
+
+  @functools.partial(jax.jit, out_shardings=NamedSharding(mesh, P(AXIS)))
+  def make(key):
+    kx, ki, kw = jax.random.split(key, 3)
+    x = jax.random.normal(kx, (R, T, H), jnp.bfloat16)
+    ids = lax.top_k(jax.random.uniform(ki, (R, T, E)), K)[1].astype(jnp.int32)
+    weights = jax.random.uniform(kw, (R, T, K), jnp.float32)
+    x = lax.optimization_barrier(x)
+    return (x, ids, weights), (native_x(x), ids)
+
+  return jax.block_until_ready(make(key))
+
+
+def native_x(x: jax.Array) -> jax.Array:
+  """The JAX-native paths' tokens: a bf16 copy of the dequantised MX-fp8 x (exact in bf16), so
+  they compute on the values the engines compute on. XLA may skip a rounding as "excess
+  precision" (XLA:CPU recomputed x in f32 inside the fusion that quantises it, and the native
+  paths got other values than the engines): the barriers pin x to its bf16 values and xq to its
+  fp8 bytes, so the result is exactly dequantize(quantize(x)), inside a jit or not."""
+  xq = lax.optimization_barrier(reference.quantize(lax.optimization_barrier(x)))
+  return reference.dequantize(*xq).astype(jnp.bfloat16)
+
+
+def host_inputs_on_mesh(mesh, host: HostInputs, w1q: jsm.QuantizedW1) -> tuple:
+  """CPU mode: the host inputs placed on the ranks as device_inputs and device_weights make them
+  (w1q [E, 2I, H] quantised from host.w1): ((x, ids, weights), w1q [R, E/R, 2I, H]) for the
+  engines and ((bf16 x, ids), bf16 w1 [R, E/R, H, 2I]) for the JAX-native paths."""
+  R = mesh.shape[AXIS]
+  put = functools.partial(jax.device_put, device=NamedSharding(mesh, P(AXIS)))
+  per_rank_w1q = jax.tree.map(lambda a: a.reshape(R, a.shape[0] // R, *a.shape[1:]), w1q)
+  return (((put(host.x), put(host.ids), put(host.weights)), jax.tree.map(put, per_rank_w1q)),
+          ((put(native_x(jnp.asarray(host.x))), put(host.ids)), put(native_w1(per_rank_w1q))))

@@ -1,0 +1,166 @@
+"""The measurement protocol and the ceilings the rates are held against.
+
+Protocol: one call is the wall time of the whole SPMD program until `jax.block_until_ready`, i.e.
+the max over ranks in a single-process run (multi-process: each process times the call, and the
+call's time is the max over processes); statistics are over --iters calls after --warmup more.
+
+Ceilings are measured in the same run, on the same machine: CPU mode, host memcpy bandwidth and
+matmul rates; --gpu, the device's copy bandwidth, XLA's dense bf16 matmul (one 8192^3, and per
+configuration one of gemm1's FLOPs) and, with R > 1 GPUs in one process, the peer copy."""
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_sdma_moe as jsm
+
+from bench.paths import STAGES
+from bench.processes import all_processes, slowest
+
+# ------------------------------------------------------------------------------------------------
+# Timing
+
+
+def time_calls(fn: Callable, args: tuple, iters: int, warmup: int) -> dict:
+  """Per call (the protocol): wall time of one call until block_until_ready, median over iters.
+  Also pipelined_ms: iters calls enqueued back to back, one wait at the end, / iters — what a
+  model's step sees, without the ~0.1-0.2 ms of host dispatch and synchronisation per call that
+  dominate the small stages."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  t0 = time.perf_counter()
+  outs = [fn(*args) for _ in range(iters)]
+  jax.block_until_ready(outs)
+  pipelined = (time.perf_counter() - t0) / iters
+  del outs
+  ms = all_processes(times).max(0) * 1e3  # per call, the slowest process
+  return {"median_ms": float(np.median(ms)), "min_ms": float(ms.min()),
+          "p90_ms": float(np.percentile(ms, 90)), "pipelined_ms": slowest(pipelined) * 1e3}
+
+
+def first_call(fn: Callable, *args):
+  """The first call (compiles); returns its result and wall seconds."""
+  t0 = time.perf_counter()
+  out = jax.block_until_ready(fn(*args))
+  return out, time.perf_counter() - t0
+
+
+def add_rates(row: dict, useful_rows: int, tokens_total: int, row_bytes: Optional[int],
+              compute_dtype: str, shape: jsm.MoEShape, ceilings: dict) -> None:
+  """Useful GB/s and GFLOP/s of a measured row, and the fraction of the ceilings it reaches.
+  route+qpack bytes: the bf16 tokens read (tokens_total = R*T of them) and the rows written.
+  With ceilings["rate_devices"] = R (GPUs, which run in parallel and whose ceilings are one
+  GPU's) every rate is per GPU: all ranks' bytes and FLOPs / R (the JSON's totals stay whole)."""
+  per = ceilings.get("rate_devices", 1)
+  flops = 2 * useful_rows * shape.hidden * 2 * shape.intermediate
+  wire = useful_rows * row_bytes if row_bytes else 0
+  row["compute_dtype"] = compute_dtype
+  row["useful_rows"], row["wire_bytes"], row["gemm1_flops"] = useful_rows, wire, flops
+  row["rates_per_device"] = per > 1
+  flops, wire, tokens_total = flops / per, wire / per, tokens_total / per
+  copy_gbps = ceilings["copy_gbps"]
+  copy_bound_s = 2 * wire / (copy_gbps * 1e9)
+  mm_bound_s = flops / (ceilings["matmul_gflops"][compute_dtype] * 1e9)
+  frac = {"stage1": max(copy_bound_s, mm_bound_s) / (row["stage1"]["median_ms"] * 1e-3)}
+  if row["stages"]:
+    q, d, g = (row["stages"][s] for s in STAGES)
+    q["bytes"] = tokens_total * shape.hidden * 2 + wire
+    q["gbps"] = q["bytes"] / (q["median_ms"] * 1e-3) / 1e9
+    d["gbps"] = wire / (d["median_ms"] * 1e-3) / 1e9
+    g["gflops"] = flops / (g["median_ms"] * 1e-3) / 1e9
+    frac["route+qpack"] = q["gbps"] / copy_gbps  # both count bytes read + written
+    if q.get("pipelined_ms"):  # calls back to back: the kernels without the per-call host wait
+      q["pipelined_gbps"] = q["bytes"] / (q["pipelined_ms"] * 1e-3) / 1e9
+      frac["route+qpack pipelined"] = q["pipelined_gbps"] / copy_gbps
+    frac["dispatch"] = copy_bound_s / (d["median_ms"] * 1e-3)
+    frac["gemm1"] = mm_bound_s / (g["median_ms"] * 1e-3)
+  row["ceiling_fraction"] = frac
+
+
+# ------------------------------------------------------------------------------------------------
+# Ceilings
+
+
+# XLA's dense matmul with float32 accumulation (cuBLAS on GPU), the matmul ceilings' kernel
+_dot = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+
+
+def _best_seconds(fn: Callable, reps: int) -> float:
+  """Fastest of reps calls after one untimed call: a ceiling is the best the machine does (a shared
+  machine only ever makes a call slower)."""
+  fn()
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t0)
+  return min(times)
+
+
+def measure_ceilings(reps: int = 10, n: int = 1024) -> dict:
+  """Host memcpy bandwidth (read + write bytes) and matmul rates per compute dtype: float32 (the CPU
+  GEMM1 kernel and the reference accumulate dequantised values in float32) and bfloat16 inputs with
+  float32 accumulation (what the JAX-native paths run)."""
+  src = np.ones((256 << 20) // 8, np.float64)  # 256 MiB, pages touched before timing
+  dst = np.empty_like(src)
+  copy_s = _best_seconds(lambda: np.copyto(dst, src), reps)
+  a = np.random.default_rng(0).standard_normal((n, n), np.float32)
+  a32, a16 = jnp.asarray(a), jnp.asarray(a, jnp.bfloat16)
+  flops = 2 * n ** 3
+  f32_s = min(_best_seconds(lambda: a @ a, reps),
+              _best_seconds(lambda: _dot(a32, a32).block_until_ready(), reps))
+  bf16_s = _best_seconds(lambda: _dot(a16, a16).block_until_ready(), reps)
+  return {"copy_gbps": 2 * src.nbytes / copy_s / 1e9,
+          "matmul_gflops": {"f32": flops / f32_s / 1e9, "bf16": flops / bf16_s / 1e9},
+          "how": f"best of {reps}: numpy copyto of {src.nbytes >> 20} MiB counting read + write; "
+                 f"{n}^3 matmul, f32: faster of numpy and jnp.dot, bf16: jnp.dot with f32 "
+                 "accumulation"}
+
+
+def measure_device_ceilings(device, copy_bytes: int, n: int, reps: int = 10) -> dict:
+  """On `device` (the default device while this runs): copy bandwidth (read + write bytes of a
+  jitted elementwise pass over copy_bytes) and XLA's dense bf16 matmul rate at n³ (f32
+  accumulation), best of reps."""
+  copy_gbps = device_copy_gbps(copy_bytes, reps)
+  mm = dense_bf16_matmul(n, n, n, reps, 1, jax.random.key(0), stat="min_ms")
+  return {"copy_gbps": copy_gbps,
+          "matmul_gflops": {"bf16": mm["gflops"]},
+          "how": f"best of {reps} on {device.device_kind}: jitted a + 1 over "
+                 f"{copy_bytes >> 20} MiB (uint32) counting read + write; {n}^3 jnp.dot in bf16 "
+                 "with f32 accumulation",
+          "dense_bf16": []}  # one per (shape, tokens), by measure.device_config
+
+
+def peer_copy_gbps(src, dst, nbytes: int, reps: int = 5) -> float:
+  """Bytes per second of one device-to-device copy src -> dst (jax.device_put between the devices
+  of one process: PjRt's peer copy), best of reps: the wire ceiling of one direction."""
+  a = jax.device_put(jnp.zeros(nbytes // 4, jnp.uint32), src)
+  return nbytes / _best_seconds(lambda: jax.device_put(a, dst).block_until_ready(), reps) / 1e9
+
+
+def device_copy_gbps(nbytes: int, reps: int) -> float:
+  """Read + write bytes per second of a jitted elementwise pass over nbytes on the default device
+  (`a + 1`, not `a + 0` or a copy XLA could elide: every byte is read and written)."""
+  src = jnp.zeros(nbytes // 4, jnp.uint32)
+  bump = jax.jit(lambda a: a + 1)
+  return 2 * nbytes / _best_seconds(lambda: bump(src).block_until_ready(), reps) / 1e9
+
+
+def dense_bf16_matmul(m: int, k: int, n: int, iters: int, warmup: int, key,
+                      stat: str = "median_ms") -> dict:
+  """XLA's (cuBLAS on GPU) dense bf16 [m, k] x [k, n] with f32 accumulation on the default device,
+  timed like the paths; gflops from the `stat` time."""
+  ka, kb = jax.random.split(key)
+  a = jax.random.normal(ka, (m, k), jnp.bfloat16)
+  b = jax.random.normal(kb, (k, n), jnp.bfloat16)
+  t = time_calls(_dot, (a, b), iters, warmup)
+  return {"m": m, "k": k, "n": n, **t, "gflops": 2 * m * k * n / (t[stat] * 1e-3) / 1e9}
