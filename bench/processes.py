@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 
 import jax
 import numpy as np
@@ -27,9 +28,14 @@ RUN_FAILURES = (jax.errors.JaxRuntimeError, MemoryError, PeerFailure)
 MESSAGE_BYTES = 2000  # of a failing process's error, sent to the others
 
 
+_STARTED = time.monotonic()
+
+
 def progress(msg: str) -> None:
+  """A progress line on stderr, with the seconds since the run started (a run cut short by a
+  time limit shows where its time went)."""
   if jax.process_index() == 0:  # multi-process: process 0 speaks for all
-    print(msg, file=sys.stderr, flush=True)
+    print(f"[{time.monotonic() - _STARTED:6.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
 def to_host(tree):
