@@ -7,7 +7,7 @@ reference (reference.stage1's GEMM is dense over all experts: far too slow at ds
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -16,6 +16,9 @@ import jax_sdma_moe as jsm
 from jax_sdma_moe import reference
 
 from bench.processes import CheckError, global_to_host
+
+if TYPE_CHECKING:  # pragma: no cover
+  from bench.natives import NativeOut
 
 # Stage1Output fields that are integers or copied floats: every engine must match the reference
 # exactly (DESIGN.md §4). h is compared within the §3 tolerance instead.

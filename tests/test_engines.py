@@ -1,0 +1,65 @@
+"""The engines as objects: what each declares, and which one a Runtime picks (DESIGN.md §6)."""
+import _util
+
+from absl.testing import absltest
+
+import jax_sdma_moe as jsm
+from jax_sdma_moe import engines
+
+
+class EnginesTest(absltest.TestCase):
+
+  def test_registry_matches_config(self):
+    self.assertEqual(set(jsm.config.ENGINE_NAMES), set(engines.ENGINES) | set(engines.NOT_BUILT))
+    for name, cls in engines.ENGINES.items():
+      with self.subTest(name):
+        self.assertEqual(cls.name, name)
+        self.assertTrue(cls.platforms and set(cls.platforms) <= {"cpu", "cuda", "rocm"})
+        self.assertIsInstance(cls.fuses_gemm1, bool)
+        self.assertIsInstance(cls.graph_capturable, bool)
+
+  def test_declared_traits(self):
+    # only engines whose calls have no host step may be captured in CUDA graphs
+    self.assertEqual({n for n, c in engines.ENGINES.items() if c.graph_capturable}, {"sm"})
+    self.assertEqual({n for n, c in engines.ENGINES.items() if c.fuses_gemm1}, {"ce", "sm"})
+    # every engine that runs as a custom call has an id the handlers know
+    ids = jsm.primitives.extension().ENGINE_IDS
+    for name, cls in engines.ENGINES.items():
+      if issubclass(cls, engines.base.FfiDispatchEngine):
+        self.assertIn(name, ids)
+
+  def test_default_engine_on_cpu(self):
+    with jsm.Runtime(_util.mesh(8), "ep") as rt:
+      self.assertIsInstance(rt.engine, engines.CpuEngine)
+      self.assertEqual(rt.engine.name, "cpu")
+      self.assertEqual(rt.engine.host_stats(), {})
+      self.assertEqual(rt.engine.timeline(), {})
+    with jsm.Runtime(_util.mesh(1), "ep") as rt:
+      self.assertEqual(rt.engine.name, "cpu")  # one CPU device in one process: the cpu engine
+    with jsm.Runtime(_util.mesh(1), "ep", jsm.Stage1Config(engine="local")) as rt:
+      self.assertIsInstance(rt.engine, engines.LocalEngine)
+
+  def test_engine_refuses_mesh(self):
+    with self.assertRaisesRegex(ValueError, "one-rank axis"):
+      jsm.Runtime(_util.mesh(8), "ep", jsm.Stage1Config(engine="local"))
+    with self.assertRaisesRegex(NotImplementedError, "not built"):
+      engines.select("sdma", platform="rocm", num_ranks=8, multi_process=False, only_axis=True,
+                     has_cuda=False)
+    with self.assertRaisesRegex(ValueError, "runs on"):
+      engines.select("sdma", platform="cpu", num_ranks=8, multi_process=False, only_axis=True,
+                     has_cuda=False)
+
+  def test_default_selection_rules(self):
+    pick = lambda **kw: engines.select(None, **{**dict(platform="cuda", num_ranks=2,
+                                                      multi_process=False, only_axis=True,
+                                                      has_cuda=True), **kw}).name
+    self.assertEqual(pick(), "sm")
+    self.assertEqual(pick(num_ranks=1), "local")
+    self.assertEqual(pick(only_axis=False), "xla")
+    self.assertEqual(pick(has_cuda=False), "xla")
+    self.assertEqual(pick(platform="cpu"), "cpu")
+    self.assertEqual(pick(platform="cpu", multi_process=True), "xla")
+
+
+if __name__ == "__main__":
+  absltest.main()
