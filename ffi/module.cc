@@ -1,7 +1,7 @@
 // pybind11 module: hands each FFI handler to Python as a capsule (registered with
 // jax.ffi.register_ffi_target, one target name per stage), exports the engine ids the handlers'
 // `dispatch` attribute carries, and creates and frees the Runtimes' windows (the cpu engine's
-// window tables, the ce/sm engines' window sets).
+// window tables, the ce/sm engines' window sets, the sdma engine's window sets).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -17,6 +17,10 @@
 #ifdef JSM_WITH_CUDA
 #include "ffi/cuda_handlers.h"
 #include "kernels/cuda/ep/engine.h"
+#endif
+#ifdef JSM_WITH_ROCM
+#include "ffi/rocm_handlers.h"
+#include "kernels/rocm/sdma/engine.h"
 #endif
 
 namespace py = pybind11;
@@ -49,9 +53,71 @@ PYBIND11_MODULE(_jsm_ffi, m) {
                     {"dispatch_gemm1_graph", JsmDispatchGemm1GraphCuda}});
   });
 #endif
+#ifdef JSM_WITH_ROCM
+  // GEMM1 and the fused dispatch + GEMM1 exist where the FlyDSL kernels were built
+  m.def("rocm_targets", [] {
+    return targets({{"quantize", JsmQuantizeRocm}, {"route", JsmRouteRocm},
+                    {"qpack", JsmQpackRocm}, {"pack", JsmPackRocm}, {"dispatch", JsmDispatchRocm},
+                    {"check_overflow", JsmCheckOverflowRocm},
+                    {"dispatch_graph", JsmDispatchGraphRocm},
+#ifdef JSM_ROCM_FLYDSL
+                    {"gemm1", JsmGemm1Rocm}, {"dispatch_gemm1", JsmDispatchGemm1Rocm},
+                    {"dispatch_gemm1_graph", JsmDispatchGemm1GraphRocm},
+#endif
+    });
+  });
+  // Engine sdma's window sets (mori CCO communicators and windows): the 128-byte communicator id
+  // of the process holding rank 0, then the set of this process's ranks (collective over the
+  // axis); an id is the `dispatch` attribute's window_set.
+  m.def("sdma_unique_id", [] {
+    std::string err;
+    std::string id = jsm::sdma::unique_id(&err);
+    if (!err.empty()) throw std::runtime_error(err);
+    return py::bytes(id);
+  });
+  m.def("sdma_windows_create",
+        [](int64_t R, int64_t H, int64_t EL, int64_t m_cap, int64_t send_rows, py::bytes id,
+           std::vector<int64_t> ranks, std::vector<int64_t> devices, int queues) {
+          std::string err;
+          const std::string uid = id;
+          int64_t set = 0;
+          {
+            py::gil_scoped_release release;  // the ranks' threads block in mori's collectives
+            set = jsm::sdma::windows_create(jsm::DispatchGeometry{R, EL, H, m_cap, send_rows}, uid,
+                                            ranks, devices, queues, &err);
+          }
+          if (set == 0) throw std::runtime_error(err);
+          return set;
+        },
+        py::arg("num_ranks"), py::arg("hidden"), py::arg("local_experts"), py::arg("m_cap"),
+        py::arg("send_rows"), py::arg("unique_id"), py::arg("ranks"), py::arg("devices"),
+        py::arg("queues"));
+  m.def("sdma_windows_destroy", [](int64_t id) {
+    py::gil_scoped_release release;
+    jsm::sdma::windows_destroy(id);
+  });
+  m.def("sdma_error", &jsm::sdma::error_message);
+#endif
+  m.def("has_rocm", [] {
+#ifdef JSM_WITH_ROCM
+    return true;
+#else
+    return false;
+#endif
+  });
+  // which ROCm custom calls this build has: the GEMM (and with it the fused call and engine
+  // sdma's put kernel) needs the FlyDSL kernels
+  m.def("has_rocm_flydsl", [] {
+#ifdef JSM_ROCM_FLYDSL
+    return true;
+#else
+    return false;
+#endif
+  });
   m.attr("ENGINE_IDS") = py::dict(
       py::arg("local") = int64_t(jsm::EngineId::kLocal), py::arg("cpu") = int64_t(jsm::EngineId::kCpu),
-      py::arg("ce") = int64_t(jsm::EngineId::kCe), py::arg("sm") = int64_t(jsm::EngineId::kSm));
+      py::arg("ce") = int64_t(jsm::EngineId::kCe), py::arg("sm") = int64_t(jsm::EngineId::kSm),
+      py::arg("sdma") = int64_t(jsm::EngineId::kSdma));
   // The cpu engine's window table of a Runtime: its id is the `dispatch` attribute's window_set.
   m.def("cpu_windows_create", &jsm::cpu_windows_create, py::arg("num_ranks"));
   m.def("cpu_windows_destroy", &jsm::cpu_windows_destroy, py::arg("table_id"));

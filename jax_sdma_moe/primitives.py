@@ -28,6 +28,9 @@ SIDE_EFFECTS = frozenset({"dispatch", "check_overflow", "dispatch_gemm1"})
 # stages with a second target, the same handler registered as safe for XLA's command buffers
 # (CUDA graphs); the primitive's `graph` parameter picks it at lowering
 GRAPH_TARGET = "_graph"
+# the platforms every primitive lowers for (to the same target names; registered_platforms says
+# which of them this build has handlers for)
+LOWERING_PLATFORMS = ("cpu", "cuda", "rocm")
 
 
 @functools.cache
@@ -54,6 +57,10 @@ def registered_platforms() -> frozenset:
     for stage, capsule in ext.cuda_targets().items():
       jax.ffi.register_ffi_target(TARGET_PREFIX + stage, capsule, platform="CUDA")
     platforms.add("cuda")
+  if ext.has_rocm():
+    for stage, capsule in ext.rocm_targets().items():
+      jax.ffi.register_ffi_target(TARGET_PREFIX + stage, capsule, platform="ROCM")
+    platforms.add("rocm")
   return frozenset(platforms)
 
 
@@ -114,7 +121,7 @@ def _make(stage: str, abstract_eval, attrs=lambda params: {}, graph_target: bool
   def lowering(ctx, *args, **params):
     return rules[bool(params.get("graph", False))](ctx, *args, **attrs(params))
 
-  for platform in ("cpu", "cuda"):
+  for platform in LOWERING_PLATFORMS:
     mlir.register_lowering(prim, lowering, platform=platform)
   return prim
 
@@ -221,7 +228,7 @@ def gemm1(landed_values: jax.Array, landed_scales: jax.Array, expert_offsets: ja
                   w1.values, w1.scales, options=options), options)
 
 
-# --- dispatch_gemm1 (engines ce, sm: the GEMM starts each expert as its rows land) ----------
+# --- dispatch_gemm1 (engines ce, sm, sdma: the GEMM starts each expert as its rows land) ----
 
 
 def _dispatch_gemm1_abstract(values, scales, token, slot, weight, send_counts, rank, w_values,

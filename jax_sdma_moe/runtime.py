@@ -7,6 +7,7 @@ import itertools
 import os
 import threading
 import weakref
+from typing import Optional
 
 import jax
 from jax.sharding import Mesh
@@ -68,7 +69,8 @@ class Runtime:
   exit. Calls on one Runtime must run in the same order on every rank (they do under shard_map).
   """
 
-  def __init__(self, mesh: Mesh, axis_name: str = "ep", config: Stage1Config = Stage1Config()):
+  def __init__(self, mesh: Mesh, axis_name: str = "ep", config: Stage1Config = Stage1Config(), *,
+               lowering_platform: Optional[str] = None):
     if not isinstance(mesh, Mesh):
       raise TypeError(f"Runtime: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     if axis_name not in mesh.axis_names:
@@ -79,19 +81,29 @@ class Runtime:
     self.axis_name = axis_name
     self.config = config
     self.num_ranks = int(mesh.shape[axis_name])
-    self.platform = mesh_platform(mesh)
+    self.platform = lowering_platform or mesh_platform(mesh)
+    self.lowering_only = self.platform != mesh_platform(mesh)
     self.multi_process = any(d.process_index != jax.process_index() for d in mesh.devices.flat)
     # whether the axis is the mesh's only axis longer than one (the window engines need it)
     self.only_axis = all(n == 1 for a, n in mesh.shape.items() if a != axis_name)
     self.serial = next(_runtime_serial)
-    if self.platform != "cpu" and self.platform not in primitives.registered_platforms():
+    if self.lowering_only and self.platform not in primitives.LOWERING_PLATFORMS:
+      raise ValueError(f"Runtime: lowering_platform must be one of "
+                       f"{primitives.LOWERING_PLATFORMS}, got {lowering_platform!r}")
+    if (not self.lowering_only and self.platform != "cpu"
+        and self.platform not in primitives.registered_platforms()):
       raise ValueError(f"Runtime: this build of jax_sdma_moe has no {self.platform} kernels "
                        f"(built for {sorted(primitives.registered_platforms())}); rebuild where "
-                       f"the toolchain (nvcc) is installed")
+                       f"the toolchain (nvcc, or ROCm's hipcc) is installed")
+    if (not self.lowering_only and self.platform == "rocm"
+        and not primitives.extension().has_rocm_flydsl()):
+      raise ValueError("Runtime: this ROCm build of jax_sdma_moe has no GEMM1 (its FlyDSL "
+                       "kernels were not built: install flydsl and rebuild)")
     engine_cls = engines.select(
         config.engine, platform=self.platform, num_ranks=self.num_ranks,
         multi_process=self.multi_process, only_axis=self.only_axis,
-        has_cuda=self.platform == "cuda" and primitives.extension().has_cuda())
+        has_cuda=self.platform == "cuda" and (self.lowering_only or
+                                              primitives.extension().has_cuda()))
     engine_cls.check_mesh(self)
     if not -1 <= config.fault_absent_rank < self.num_ranks or not (
         -1 <= config.fault_delay_rank < self.num_ranks):
@@ -162,7 +174,7 @@ class Runtime:
 
   def __repr__(self):
     return (f"Runtime(axis={self.axis_name!r}, ranks={self.num_ranks}, platform={self.platform!r}, "
-            f"engine={self.engine.name!r})")
+            f"engine={self.engine.name!r}{', lowering only' if self.lowering_only else ''})")
 
 
 @atexit.register

@@ -19,9 +19,10 @@ class EnginesTest(absltest.TestCase):
         self.assertIsInstance(cls.graph_capturable, bool)
 
   def test_declared_traits(self):
-    # only engines whose calls have no host step may be captured in CUDA graphs
-    self.assertEqual({n for n, c in engines.ENGINES.items() if c.graph_capturable}, {"sm"})
-    self.assertEqual({n for n, c in engines.ENGINES.items() if c.fuses_gemm1}, {"ce", "sm"})
+    # only engines whose calls have no host step may be captured in CUDA (HIP) graphs
+    self.assertEqual({n for n, c in engines.ENGINES.items() if c.graph_capturable},
+                     {"sm", "sdma"})
+    self.assertEqual({n for n, c in engines.ENGINES.items() if c.fuses_gemm1}, {"ce", "sm", "sdma"})
     # every engine that runs as a custom call has an id the handlers know
     ids = jsm.primitives.extension().ENGINE_IDS
     for name, cls in engines.ENGINES.items():
@@ -42,12 +43,13 @@ class EnginesTest(absltest.TestCase):
   def test_engine_refuses_mesh(self):
     with self.assertRaisesRegex(ValueError, "one-rank axis"):
       jsm.Runtime(_util.mesh(8), "ep", jsm.Stage1Config(engine="local"))
-    with self.assertRaisesRegex(NotImplementedError, "not built"):
-      engines.select("sdma", platform="rocm", num_ranks=8, multi_process=False, only_axis=True,
-                     has_cuda=False)
+    self.assertIs(engines.select("sdma", platform="rocm", num_ranks=8, multi_process=False,
+                                 only_axis=True, has_cuda=False), engines.SdmaEngine)
     with self.assertRaisesRegex(ValueError, "runs on"):
-      engines.select("sdma", platform="cpu", num_ranks=8, multi_process=False, only_axis=True,
-                     has_cuda=False)
+      jsm.Runtime(_util.mesh(8), "ep", jsm.Stage1Config(engine="sdma"))
+    # built for ROCm but lowered elsewhere: the mesh checks still apply
+    with self.assertRaisesRegex(ValueError, "one rank"):
+      jsm.Runtime(_util.mesh(1), "ep", jsm.Stage1Config(engine="sdma"), lowering_platform="rocm")
 
   def test_default_selection_rules(self):
     pick = lambda **kw: engines.select(None, **{**dict(platform="cuda", num_ranks=2,
@@ -59,6 +61,9 @@ class EnginesTest(absltest.TestCase):
     self.assertEqual(pick(has_cuda=False), "xla")
     self.assertEqual(pick(platform="cpu"), "cpu")
     self.assertEqual(pick(platform="cpu", multi_process=True), "xla")
+    # ROCm: local on one GPU; xla across GPUs (engine sdma has never run on AMD hardware)
+    self.assertEqual(pick(platform="rocm", has_cuda=False, num_ranks=1), "local")
+    self.assertEqual(pick(platform="rocm", has_cuda=False), "xla")
 
 
 if __name__ == "__main__":

@@ -10,13 +10,14 @@ from .base import Engine
 from .ce import CeEngine
 from .cpu import CpuEngine
 from .local import LocalEngine
+from .sdma import SdmaEngine
 from .sm import SmEngine
 from .xla import XlaEngine
 
 # every engine built, by Stage1Config.engine name
-ENGINES = {e.name: e for e in (CpuEngine, LocalEngine, XlaEngine, CeEngine, SmEngine)}
-# named in the design but not built in this version
-NOT_BUILT = {"sdma": ("rocm",)}
+ENGINES = {e.name: e for e in (CpuEngine, LocalEngine, XlaEngine, CeEngine, SmEngine, SdmaEngine)}
+# named in the design but not built in this version: {name: platforms}
+NOT_BUILT = {}
 
 
 def select(name, *, platform: str, num_ranks: int, multi_process: bool, only_axis: bool,
@@ -30,7 +31,7 @@ def select(name, *, platform: str, num_ranks: int, multi_process: bool, only_axi
     elif platform == "cuda" and has_cuda and only_axis:
       name = "sm"  # the fastest measured on 2xH200, in both launch modes (docs/PERF.md)
     else:
-      name = "xla"
+      name = "xla"  # also on ROCm: engine sdma has not run on AMD hardware yet (DESIGN.md §6)
   if name in NOT_BUILT and platform not in NOT_BUILT[name]:
     raise ValueError(f"Runtime: engine {name!r} runs on {NOT_BUILT[name]}, but the mesh is on "
                      f"{platform!r}")
@@ -41,4 +42,4 @@ def select(name, *, platform: str, num_ranks: int, multi_process: bool, only_axi
 
 
 __all__ = ["Engine", "ENGINES", "select", "CpuEngine", "LocalEngine", "XlaEngine", "CeEngine",
-           "SmEngine"]
+           "SmEngine", "SdmaEngine"]

@@ -6,7 +6,7 @@ from .base import FfiDispatchEngine
 
 class LocalEngine(FfiDispatchEngine):
   name = "local"
-  platforms = ("cpu", "cuda")
+  platforms = ("cpu", "cuda", "rocm")
 
   @classmethod
   def check_mesh(cls, runtime):

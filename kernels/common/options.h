@@ -14,6 +14,7 @@ enum class EngineId : int64_t {
   kCpu = 1,    // the CPU virtual devices of one process, through a process-global window table
   kCe = 2,     // CUDA copy engines
   kSm = 3,     // CUDA SM stores over NVLink
+  kSdma = 4,   // ROCm SDMA engines driven from a kernel through mori CCO
 };
 
 inline const char* engine_name(EngineId e) {
@@ -22,6 +23,7 @@ inline const char* engine_name(EngineId e) {
     case EngineId::kCpu: return "cpu";
     case EngineId::kCe: return "ce";
     case EngineId::kSm: return "sm";
+    case EngineId::kSdma: return "sdma";
   }
   return "unknown";
 }
@@ -29,8 +31,8 @@ inline const char* engine_name(EngineId e) {
 // Attribute `dispatch` of jsm_dispatch(_graph) and jsm_dispatch_gemm1(_graph).
 struct DispatchOptions {
   EngineId engine;
-  // The Runtime's window set: the cpu window table (engine cpu), the CUDA window set (ce, sm);
-  // 0 for engine local, which has none.
+  // The Runtime's window set: the cpu window table (engine cpu), the CUDA window set (ce, sm), the
+  // ROCm window set (sdma); 0 for engine local, which has none.
   int64_t window_set;
   int64_t row_align;  // every expert's first landed row is a multiple of this (DESIGN.md §4)
   double timeout_s;   // every wait of the protocol is bounded by this

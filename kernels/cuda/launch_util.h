@@ -6,26 +6,14 @@
 
 #include <cstdint>
 
+#include "kernels/common/gpu_compat.h"
+
 namespace jsm {
 namespace cuda {
 
-inline int num_sms() {
-  static int cached[64] = {};
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (dev < 64 && cached[dev]) return cached[dev];
-  int n = 0;
-  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-  if (dev < 64) cached[dev] = n;
-  return n;
-}
-
-// Blocks for `items` work items, `per_block` each, at most 16 blocks per SM (grid-stride loops).
-inline int grid_for(int64_t items, int per_block) {
-  int64_t blocks = (items + per_block - 1) / per_block;
-  int64_t cap = int64_t(num_sms()) * 16;
-  return int(blocks < 1 ? 1 : (blocks < cap ? blocks : cap));
-}
+// launch sizes of the current device (kernels/common/gpu_compat.h, shared with the HIP launchers)
+using gpu::grid_for;
+using gpu::num_sms;
 
 // A driver API function by name (the static runtime links no libcuda; the driver is found at run
 // time), or null.

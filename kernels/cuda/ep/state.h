@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/common/ep_errors.h"
 #include "kernels/common/options.h"
 #include "kernels/cuda/ep/window.h"
 
@@ -84,15 +85,8 @@ inline std::string cuda_error(const std::string& what, cudaError_t e) {
 // "" or the error a bounded wait recorded for this rank, naming rank, peer and epoch.
 inline std::string describe(const LocalRank& me) {
   volatile cuda::EpError* v = me.err_host;  // the code is written last (after a system fence)
-  const cuda::EpError e{v->code, v->peer, v->expert, v->epoch};
-  if (e.code == 0) return "";
-  const std::string what = e.code == 1 ? "the plan (send counts)"
-                                       : "the rows of local expert " + std::to_string(e.expert);
-  return "jax_sdma_moe dispatch: rank " + std::to_string(me.rank) + " timed out after " +
-         std::to_string(me.timeout_s) + " s waiting for " + what + " from peer rank " +
-         std::to_string(e.peer) + " (epoch " + std::to_string(e.epoch) +
-         "); the peer did not arrive. The Runtime's windows are now out of step: create a new "
-         "Runtime.";
+  return describe_wait_error(cuda::EpError{v->code, v->peer, v->expert, v->epoch}, me.rank,
+                             me.timeout_s);
 }
 
 }  // namespace ep

@@ -1,92 +1,24 @@
-// The symmetric landing window of one rank for the multi-GPU engines (`ce`, `sm`): one device
-// allocation per rank, the same layout on every rank, so a source computes any destination's
-// addresses from that destination's base pointer. Host and device code share this header.
-//
-// Protocol of epoch n (1, 2, ...; each rank counts its own calls, which run in program order, in
-// epoch_counter on its device: the first kernel of a call increments it and the others read it),
-// on parity p = n & 1 — the protocol of kernels/cpu/dispatch.h, with device memory and signals:
-//   1. source s puts its send counts [R][EL] into plan[p][s] of every destination, then writes
-//      plan_flag[p][s] = n there (after the counts, in stream order / with a system fence);
-//   2. every rank waits until plan_flag[p][s] has reached n for all s (bounded), so each knows the
-//      whole plan and hence every segment's landing offset (DESIGN.md §4);
-//   3. source s puts each (destination d, local expert e) segment — values, scales and the 16-byte
-//      row header {src rank, token, slot, weight} — at its offset in d's slot p, then writes
-//      seg_flag[p][e][s] = n at d (flags of one expert are contiguous: one load reads all R);
-//   4. the destination waits for seg_flag[p][e][s] >= n (bounded) before reading expert e.
-// Two parities suffice: a source sends epoch n + 2 only after seeing every peer's epoch n + 1
-// plan, which each peer sends after it has read out its epoch n slot (stream order).
-// Flags are compared as (int32_t)(flag - n) >= 0, so epochs may wrap.
+// The CUDA engines' (`ce`, `sm`) view of the symmetric landing window: its layout and protocol
+// (kernels/common/ep_window.h, shared with ROCm's engine sdma) named in jsm::cuda, and their device
+// helpers (PTX: system-scope acquire/release, the global timer).
 #pragma once
 
 #include <stdint.h>
 
-#include "kernels/common/dispatch_io.h"
-#include "kernels/common/mxfp8.h"
+#include "kernels/common/ep_window.h"
 
 namespace jsm {
 namespace cuda {
 
-constexpr int kMaxRanks = 16;
-
-// A landed or sent row's header: 16 bytes, so a segment's headers are one contiguous copy.
-struct RowHeader {
-  int32_t src_rank, token, slot;
-  float weight;
-};
-
-struct EpWindowLayout {
-  int64_t values[2], scales[2], headers[2];  // slot p: [m_cap, H], [m_cap, H/32], [m_cap]
-  int64_t plan[2];                           // [R src][R dst * EL] int32
-  int64_t plan_flag[2];                      // [R src] uint32
-  int64_t seg_flag[2];                       // [EL][R src] uint32
-  int64_t send_headers;                      // [send_rows] RowHeader, this rank's outgoing rows
-  int64_t epoch_counter;                     // uint32: this rank's calls so far (device-side, so a
-                                             // captured CUDA graph replays correctly)
-  int64_t bytes;
-};
-
-JSM_HD int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
-
-JSM_HD EpWindowLayout ep_window_layout(const DispatchGeometry& g) {
-  EpWindowLayout w{};
-  int64_t off = 0;
-  auto take = [&off](int64_t bytes) {
-    const int64_t at = off;
-    off = align_up(off + bytes, 256);
-    return at;
-  };
-  for (int p = 0; p < 2; ++p) {
-    w.values[p] = take(g.m_cap * g.H);
-    w.scales[p] = take(g.m_cap * (g.H / kBlock));
-    w.headers[p] = take(g.m_cap * int64_t(sizeof(RowHeader)));
-    w.plan[p] = take(g.R * g.R * g.EL * 4);
-    w.plan_flag[p] = take(g.R * 4);
-    w.seg_flag[p] = take(g.EL * g.R * 4);
-  }
-  w.send_headers = take(g.send_rows * int64_t(sizeof(RowHeader)));
-  w.epoch_counter = take(4);
-  w.bytes = off;
-  return w;
-}
-
-// The section at `offset` of a window.
-template <class T>
-JSM_HD T* at(uint8_t* base, int64_t offset) {
-  return reinterpret_cast<T*>(base + offset);
-}
-
-// Every rank's window base as this device addresses it (own allocation, peer-mapped or IPC-opened).
-struct PeerTable {
-  uint8_t* base[kMaxRanks];
-};
-
-// Written by a kernel whose bounded wait ran out (host-mapped memory, read by the next call's
-// handler and by Runtime.check()). code: 0 none, 1 plan, 2 rows of an expert.
-struct EpError {
-  uint32_t code, peer, expert, epoch;
-};
-
-JSM_HD bool epoch_reached(uint32_t flag, uint32_t epoch) { return int32_t(flag - epoch) >= 0; }
+using jsm::align_up;
+using jsm::at;
+using jsm::ep_window_layout;
+using jsm::epoch_reached;
+using jsm::EpError;
+using jsm::EpWindowLayout;
+using jsm::kMaxRanks;
+using jsm::PeerTable;
+using jsm::RowHeader;
 
 #ifdef __CUDACC__
 __device__ __forceinline__ uint64_t globaltimer_ns() {

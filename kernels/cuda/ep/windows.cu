@@ -4,9 +4,8 @@
 #include <cuda_runtime.h>
 
 #include <cstring>
-#include <map>
-#include <mutex>
 
+#include "kernels/common/registry.h"
 #include "kernels/cuda/ep/engine.h"
 #include "kernels/cuda/ep/state.h"
 
@@ -18,9 +17,7 @@ using cuda::EpError;
 
 constexpr int64_t kMaxSegments = 4096;  // R * EL: the sm kernel keeps its segment table in smem
 
-std::mutex g_mu;
-std::map<int64_t, std::shared_ptr<WindowSet>> g_sets;  // id -> the window set
-int64_t g_next_id = 1;
+Registry<WindowSet> g_sets;
 
 struct DeviceGuard {
   int prev = 0;
@@ -56,9 +53,7 @@ void free_rank(LocalRank& l) {
 }  // namespace
 
 std::shared_ptr<WindowSet> find_set(int64_t id) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  auto it = g_sets.find(id);
-  return it == g_sets.end() ? nullptr : it->second;
+  return g_sets.find(id);
 }
 
 int64_t windows_create(EngineId engine, int sm_blocks, const DispatchGeometry& g,
@@ -116,10 +111,7 @@ int64_t windows_create(EngineId engine, int sm_blocks, const DispatchGeometry& g
       return 0;
     }
   }
-  std::lock_guard<std::mutex> lock(g_mu);
-  const int64_t id = g_next_id++;
-  g_sets[id] = w;
-  return id;
+  return g_sets.add(w);
 }
 
 std::string windows_connect_local(int64_t id) {
@@ -181,14 +173,8 @@ std::string windows_open(int64_t id, int64_t rank, const std::vector<std::string
 }
 
 void windows_destroy(int64_t id) {
-  std::shared_ptr<WindowSet> w;
-  {
-    std::lock_guard<std::mutex> lock(g_mu);
-    auto it = g_sets.find(id);
-    if (it == g_sets.end()) return;
-    w = it->second;
-    g_sets.erase(it);
-  }
+  std::shared_ptr<WindowSet> w = g_sets.take(id);
+  if (!w) return;
   for (auto& l : w->local) free_rank(l);
 }
 

@@ -5,7 +5,7 @@
 
 #include "kernels/cuda/gemm1/kernels.h"
 #include "kernels/cuda/launch_util.h"
-#include "kernels/cuda/stages.h"
+#include "kernels/common/gpu_stages.h"
 
 namespace jsm {
 namespace cuda {
@@ -56,9 +56,9 @@ std::string launch_gemm1(Gemm1Args g, int grid, cudaStream_t stream, const Gemm1
   g.limit = opt.swiglu_limit;
   const int64_t row_bytes = g.h_bf16 ? g.I * 2 : g.I;
   const int64_t scale_bytes = g.h_bf16 ? 0 : g.I / kBlock;
-  launch_zero_padding_rows(g.offsets, g.counts, g.EL, g.m_cap, row_bytes,
-                           g.h_bf16 ? reinterpret_cast<uint8_t*>(g.h_bf16) : g.h_values,
-                           g.h_scales, scale_bytes, stream);
+  gpu::launch_zero_padding_rows(g.offsets, g.counts, g.EL, g.m_cap, row_bytes,
+                                g.h_bf16 ? reinterpret_cast<uint8_t*>(g.h_bf16) : g.h_values,
+                                g.h_scales, scale_bytes, stream);
   std::string err = last_error("gemm1 padding");
   if (!err.empty() || g.m_cap == 0) return err;
   g.scales_aligned = scales_aligned(g, KB);

@@ -1,0 +1,237 @@
+// The handlers that the CUDA and ROCm platforms share, as templates over the platform's window
+// engines (`Engines`): quantize, route, qpack / pack, check_overflow, and dispatch (engine local
+// everywhere, the platform's window engines through Engines::dispatch). Each decodes what XLA
+// hands it and calls a launcher of kernels/common/gpu_stages.h on XLA's stream. Included by
+// ffi/cuda_handlers.cu and ffi/rocm_handlers.cc only, each with its own Engines:
+//   static constexpr const char* kPlatform;           // "CUDA", "ROCm": for messages
+//   static bool serves(EngineId);                       // its window engines
+//   static constexpr const char* kServes;             // "engines local, ce and sm", ...
+//   static std::string dispatch(void* stream, const DispatchGeometry&, const SendView&,
+//                               const LandedView&, const DispatchOptions&);   // "" or an error
+#pragma once
+
+#include <string>
+
+#include "ffi/handler_util.h"
+#include "ffi/signatures.h"
+#include "kernels/common/gpu_stages.h"
+#include "kernels/common/mxfp8.h"
+
+namespace jsm {
+namespace gpu_handlers {
+
+namespace ffi = xla::ffi;
+using namespace jsm::sig;  // the buffer aliases
+using handler::check_dtype;
+using handler::last_dim;
+using handler::ptr;
+using handler::rows_of;
+
+inline ffi::Error last_error(const char* what) {
+  const gpu::Error err = gpu::last_error();
+  if (err == gpu::kSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("jax_sdma_moe ") + what + ": " + gpu::error_string(err));
+}
+
+// An error message of a window engine (or "") as the call's result.
+inline ffi::Error engine_error(const std::string& err) {
+  if (err.empty()) return ffi::Error::Success();
+  return ffi::Error(err.find("timed out") != std::string::npos ? ffi::ErrorCode::kDeadlineExceeded
+                                                               : ffi::ErrorCode::kInternal,
+                    err);
+}
+
+inline ffi::Error QuantizeImpl(gpu::Stream stream, ffi::AnyBuffer x,
+                               ffi::Result<ffi::AnyBuffer> values,
+                               ffi::Result<ffi::AnyBuffer> scales) {
+  JSM_RETURN_IF_ERROR(check_dtype(*values, ffi::DataType::F8E4M3FN, "quantize values"));
+  const int64_t blocks = int64_t(x.element_count()) / kBlock;
+  if (blocks == 0) return ffi::Error::Success();
+  if (x.element_type() != ffi::DataType::BF16 && x.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("jax_sdma_moe quantize: x must be bfloat16 or float32");
+  gpu::launch_quantize(x.untyped_data(), x.element_type() == ffi::DataType::BF16, blocks,
+                       ptr<uint8_t>(values), ptr<uint8_t>(scales), stream);
+  return last_error("quantize");
+}
+
+inline ffi::Error RouteImpl(gpu::Stream stream, S32Mat ids, ffi::Result<S32Mat> send_counts,
+                            ffi::Result<S32Mat> send_pos, ffi::Result<S32Scalar> num_invalid) {
+  gpu::launch_route(ids.typed_data(), ids.element_count(), int(send_counts->element_count()),
+                    send_counts->typed_data(), send_pos->typed_data(), num_invalid->typed_data(),
+                    stream);
+  return last_error("route");
+}
+
+// qpack (x bf16) or pack (x_values, x_scales) into the send buffer.
+inline ffi::Error launch_pack(gpu::Stream stream, bool quantize, const uint16_t* x,
+                              const uint8_t* xv, const uint8_t* xs, F32Mat weights,
+                              S32Mat send_pos, int64_t T, int64_t H,
+                              ffi::Result<ffi::AnyBuffer>& values,
+                              ffi::Result<ffi::AnyBuffer>& scales, ffi::Result<S32Vec>& token,
+                              ffi::Result<S32Vec>& slot, ffi::Result<F32Vec>& weight) {
+  const int K = int(send_pos.dimensions()[1]);
+  if (K > 16) return ffi::Error::InvalidArgument("jax_sdma_moe (GPU): top-k above 16");
+  const gpu::PackArgs a{x, xv, xs, weights.typed_data(), send_pos.typed_data(), T, K, H,
+                        int64_t(token->element_count()), ptr<uint8_t>(values),
+                        ptr<uint8_t>(scales), token->typed_data(), slot->typed_data(),
+                        weight->typed_data()};
+  gpu::launch_pack(quantize, a, stream);
+  return last_error(quantize ? "qpack" : "pack");
+}
+
+inline ffi::Error QpackImpl(gpu::Stream stream, BF16Mat x, F32Mat weights, S32Mat send_pos,
+                            ffi::Result<ffi::AnyBuffer> values, ffi::Result<ffi::AnyBuffer> scales,
+                            ffi::Result<S32Vec> token, ffi::Result<S32Vec> slot,
+                            ffi::Result<F32Vec> weight) {
+  JSM_RETURN_IF_ERROR(check_dtype(*values, ffi::DataType::F8E4M3FN, "qpack values"));
+  return launch_pack(stream, true, reinterpret_cast<const uint16_t*>(x.typed_data()), nullptr,
+                     nullptr, weights, send_pos, x.dimensions()[0], x.dimensions()[1], values,
+                     scales, token, slot, weight);
+}
+
+inline ffi::Error PackImpl(gpu::Stream stream, ffi::AnyBuffer x_values, ffi::AnyBuffer x_scales,
+                           F32Mat weights, S32Mat send_pos, ffi::Result<ffi::AnyBuffer> values,
+                           ffi::Result<ffi::AnyBuffer> scales, ffi::Result<S32Vec> token,
+                           ffi::Result<S32Vec> slot, ffi::Result<F32Vec> weight) {
+  JSM_RETURN_IF_ERROR(check_dtype(x_values, ffi::DataType::F8E4M3FN, "pack x values"));
+  return launch_pack(stream, false, nullptr, ptr<uint8_t>(x_values), ptr<uint8_t>(x_scales),
+                     weights, send_pos, rows_of(x_values), last_dim(x_values), values, scales,
+                     token, slot, weight);
+}
+
+// The send buffer and send counts of a dispatch call.
+inline SendView send_view(const ffi::AnyBuffer& values, const ffi::AnyBuffer& scales,
+                          S32Vec token, S32Vec slot, F32Vec weight, S32Mat send_counts) {
+  return SendView{ptr<uint8_t>(values), ptr<uint8_t>(scales), token.typed_data(),
+                  slot.typed_data(),    weight.typed_data(),  send_counts.typed_data()};
+}
+
+// The landed rows' layout results of a fused dispatch + GEMM1 (no rows: the GEMM reads the slot).
+inline LandedView layout_view(ffi::Result<S32Vec>& src_rank, ffi::Result<S32Vec>& token,
+                              ffi::Result<S32Vec>& slot, ffi::Result<F32Vec>& weight,
+                              ffi::Result<S32Vec>& expert_offsets,
+                              ffi::Result<S32Vec>& expert_counts, ffi::Result<S32Scalar>& num_rows,
+                              ffi::Result<S32Scalar>& overflow) {
+  return LandedView{nullptr,
+                    nullptr,
+                    src_rank->typed_data(),
+                    token->typed_data(),
+                    slot->typed_data(),
+                    weight->typed_data(),
+                    expert_offsets->typed_data(),
+                    expert_counts->typed_data(),
+                    num_rows->typed_data(),
+                    overflow->typed_data()};
+}
+
+// A stand-alone gemm1's landed rows (members a, a_scales, offsets, counts of G).
+template <class G>
+ffi::Error decode_gemm1_rows(ffi::AnyBuffer a_values, ffi::AnyBuffer a_scales,
+                             S32Vec expert_offsets, S32Vec expert_counts, G* g) {
+  JSM_RETURN_IF_ERROR(check_dtype(a_values, ffi::DataType::F8E4M3FN, "gemm1 rows"));
+  g->a = ptr<uint8_t>(a_values);
+  g->a_scales = ptr<uint8_t>(a_scales);
+  g->offsets = expert_offsets.typed_data();
+  g->counts = expert_counts.typed_data();
+  return ffi::Error::Success();
+}
+
+// The GEMM's weights, sizes and h outputs (rets[0], and rets[1] for MX-fp8 scales) into the
+// platform's GEMM arguments G (members w, w_scales, EL, I, H, m_cap, h_bf16, h_values, h_scales).
+template <class G>
+ffi::Error decode_gemm1(ffi::AnyBuffer w_values, ffi::AnyBuffer w_scales, int64_t H,
+                        int64_t m_cap, ffi::RemainingRets& rets, G* g) {
+  JSM_RETURN_IF_ERROR(check_dtype(w_values, ffi::DataType::F8E4M3FN, "gemm1 weights"));
+  const auto wd = w_values.dimensions();
+  g->w = ptr<uint8_t>(w_values);
+  g->w_scales = ptr<uint8_t>(w_scales);
+  g->EL = int(wd[0]);
+  g->I = wd[1] / 2;
+  g->H = H;
+  g->m_cap = m_cap;
+  auto h = rets.get<ffi::AnyBuffer>(0);
+  if (!h.has_value()) return h.error();
+  if (rets.size() == 1) {
+    JSM_RETURN_IF_ERROR(check_dtype(**h, ffi::DataType::BF16, "gemm1 output"));
+    g->h_bf16 = static_cast<uint16_t*>((*h)->untyped_data());
+  } else {
+    auto sc = rets.get<ffi::AnyBuffer>(1);
+    if (!sc.has_value()) return sc.error();
+    g->h_values = static_cast<uint8_t*>((*h)->untyped_data());
+    g->h_scales = static_cast<uint8_t*>((*sc)->untyped_data());
+  }
+  return ffi::Error::Success();
+}
+
+// Engine local: R = 1, one copy kernel; the platform's window engines: Engines::dispatch.
+template <class Engines>
+ffi::Error DispatchImpl(gpu::Stream stream, ffi::AnyBuffer values, ffi::AnyBuffer scales,
+                        S32Vec token, S32Vec slot, F32Vec weight, S32Mat send_counts,
+                        S32Scalar rank, ffi::Result<ffi::AnyBuffer> out_values,
+                        ffi::Result<ffi::AnyBuffer> out_scales, ffi::Result<S32Vec> src_rank,
+                        ffi::Result<S32Vec> out_token, ffi::Result<S32Vec> out_slot,
+                        ffi::Result<F32Vec> out_weight, ffi::Result<S32Vec> expert_offsets,
+                        ffi::Result<S32Vec> expert_counts, ffi::Result<S32Scalar> num_rows,
+                        ffi::Result<S32Scalar> overflow, DispatchOptions opt) {
+  const std::string where = std::string("dispatch (") + Engines::kPlatform + ")";
+  if (opt.engine != EngineId::kLocal && !Engines::serves(opt.engine))
+    return handler::wrong_engine(where.c_str(), opt.engine, Engines::kServes);
+  const int EL = int(send_counts.dimensions()[1]);
+  const int64_t m_cap = rows_of(*out_values), H = last_dim(values);
+  const SendView send = send_view(values, scales, token, slot, weight, send_counts);
+  const LandedView out{
+      ptr<uint8_t>(out_values),     ptr<uint8_t>(out_scales),    src_rank->typed_data(),
+      out_token->typed_data(),      out_slot->typed_data(),      out_weight->typed_data(),
+      expert_offsets->typed_data(), expert_counts->typed_data(), num_rows->typed_data(),
+      overflow->typed_data()};
+  if (opt.engine != EngineId::kLocal) {
+    const DispatchGeometry g{send_counts.dimensions()[0], EL, H, m_cap, rows_of(values)};
+    return engine_error(Engines::dispatch(stream, g, send, out, opt));
+  }
+  if (send_counts.dimensions()[0] != 1)
+    return ffi::Error::InvalidArgument("jax_sdma_moe " + where +
+                                       ": engine 'local' moves rows within one GPU only (R = 1)");
+  gpu::launch_dispatch_local(send, EL, H, m_cap, opt.row_align, out, stream);
+  return last_error("dispatch");
+}
+
+inline ffi::Error CheckOverflowImpl(gpu::Stream stream, S32Scalar overflow, S32Scalar rank,
+                                    ffi::Result<S32Scalar> out, int64_t cap) {
+  int32_t host[2] = {0, 0};
+  (void)gpu::memcpy_device_to_device_async(out->typed_data(), overflow.typed_data(), 4, stream);
+  (void)gpu::memcpy_device_to_host_async(&host[0], overflow.typed_data(), 4, stream);
+  (void)gpu::memcpy_device_to_host_async(&host[1], rank.typed_data(), 4, stream);
+  if (gpu::stream_synchronize(stream) != gpu::kSuccess) return last_error("check_overflow");
+  if (host[0] > 0)
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      "jax_sdma_moe.stage1: " + std::to_string(host[0]) + " rows routed to rank " +
+                          std::to_string(host[1]) + " did not fit M_cap = " + std::to_string(cap) +
+                          "; raise Stage1Config.max_recv_rows");
+  return ffi::Error::Success();
+}
+
+}  // namespace gpu_handlers
+}  // namespace jsm
+
+// Defines the shared handlers' symbols of platform P (Cuda, Rocm) for its stream context and
+// window engines: JsmQuantizeP, JsmRouteP, JsmQpackP, JsmPackP, JsmDispatchP, JsmCheckOverflowP,
+// and JsmDispatchGraphP — the dispatch registered as command-buffer compatible, for the engines
+// with no host step per call (sm, sdma: their epoch lives on the device), so XLA may capture
+// them in CUDA / HIP graphs.
+#define JSM_DEFINE_GPU_HANDLERS(P, STREAM, ENGINES)                                           \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmQuantize##P, ::jsm::gpu_handlers::QuantizeImpl,            \
+                                ::jsm::sig::quantize(::xla::ffi::Ffi::Bind().Ctx<STREAM>()));  \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmRoute##P, ::jsm::gpu_handlers::RouteImpl,                  \
+                                ::jsm::sig::route(::xla::ffi::Ffi::Bind().Ctx<STREAM>()));     \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmQpack##P, ::jsm::gpu_handlers::QpackImpl,                  \
+                                ::jsm::sig::qpack(::xla::ffi::Ffi::Bind().Ctx<STREAM>()));     \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmPack##P, ::jsm::gpu_handlers::PackImpl,                    \
+                                ::jsm::sig::pack(::xla::ffi::Ffi::Bind().Ctx<STREAM>()));      \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmDispatch##P, ::jsm::gpu_handlers::DispatchImpl<ENGINES>,   \
+                                ::jsm::sig::dispatch(::xla::ffi::Ffi::Bind().Ctx<STREAM>()));  \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmDispatchGraph##P,                                          \
+                                ::jsm::gpu_handlers::DispatchImpl<ENGINES>,                   \
+                                ::jsm::sig::dispatch(::xla::ffi::Ffi::Bind().Ctx<STREAM>()),   \
+                                {::xla::ffi::Traits::kCmdBufferCompatible});                  \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmCheckOverflow##P, ::jsm::gpu_handlers::CheckOverflowImpl,  \
+                                ::jsm::sig::check_overflow(::xla::ffi::Ffi::Bind().Ctx<STREAM>()))

@@ -1,0 +1,107 @@
+"""What the window engines share (`ce`, `sm` on CUDA; `sdma` on ROCm): symmetric windows on every
+GPU of the axis, one window set per dispatch geometry, made at the first trace that needs it and
+kept until close(); the dispatch fused with GEMM1; device-side waits whose expiry is raised by
+check(). Subclasses say how a set is made (`_create`), read (`_error`) and freed (`_destroy`)."""
+from __future__ import annotations
+
+import threading
+
+import jax
+
+from .. import primitives
+from .base import FfiDispatchEngine, gemm1_options
+
+
+class WindowEngine(FfiDispatchEngine):
+  fuses_gemm1 = True
+
+  @classmethod
+  def check_mesh(cls, runtime):
+    super().check_mesh(runtime)
+    if runtime.num_ranks < 2:
+      raise ValueError(f"Runtime: engine {cls.name!r} moves rows between GPUs; axis "
+                       f"{runtime.axis_name!r} has one rank: use engine 'local'")
+    if not runtime.only_axis:
+      raise ValueError(f"Runtime: engine {cls.name!r} needs a mesh whose only axis longer than "
+                       f"one is {runtime.axis_name!r}, got {dict(runtime.mesh.shape)}")
+
+  def __init__(self, runtime):
+    super().__init__(runtime)
+    self._ext = primitives.extension()  # kept: close_at_exit runs when module globals are gone
+    self._lock = threading.Lock()
+    self._windows = {}  # (H, EL, M_cap, send rows) -> window set id
+    self._closed = False
+
+  def window_set(self, send, send_counts, cap):
+    """The windows of one dispatch geometry, created at the first trace that needs them (on the
+    host, outside any computation). Every process of a multi-process mesh must trace the same
+    calls: they exchange what the windows need through jax.distributed's key-value store here."""
+    key = (int(send.values.shape[1]), int(send_counts.shape[1]), int(cap),
+           int(send.values.shape[0]))
+    if self.runtime.lowering_only:
+      return 0  # no windows exist; such a program is lowered, never run (the handler refuses 0)
+    with self._lock:
+      if self._closed:
+        raise ValueError("Runtime is closed")
+      if key not in self._windows:
+        self._windows[key] = self._create(key, self._local_ranks())
+      return self._windows[key]
+
+  def _local_ranks(self):
+    """[(rank, local device id)] of the axis's ranks in this process."""
+    devices = list(self.runtime.mesh.devices.reshape(-1))  # other axes have length 1 (check_mesh)
+    me = jax.process_index()
+    return [(r, d.local_hardware_id) for r, d in enumerate(devices) if d.process_index == me]
+
+  def _exchange(self, name: str, mine: dict, keys: list) -> list:
+    """Publishes {key: bytes} of this process under `name` in jax.distributed's key-value store
+    and returns the values of `keys` (bounded by timeout_s)."""
+    from jax._src import distributed
+    client = distributed.global_state.client
+    if client is None:
+      raise ValueError("Runtime: a mesh spanning processes needs jax.distributed.initialize()")
+    prefix = f"jax_sdma_moe/{self.runtime.serial}/{name}"
+    for k, v in mine.items():
+      client.key_value_set_bytes(f"{prefix}/{k}", v)
+    timeout_ms = int(max(self.config.timeout_s, 1.0) * 1000)
+    try:
+      return [client.blocking_key_value_get_bytes(f"{prefix}/{k}", timeout_ms) for k in keys]
+    except Exception as e:
+      raise TimeoutError(f"Runtime: the peers' windows ({prefix}) did not arrive within "
+                         f"{timeout_ms / 1000} s: {e}") from e
+
+  def _create(self, key: tuple, local: list) -> int:
+    raise NotImplementedError
+
+  def _error(self, wid: int) -> str:
+    raise NotImplementedError
+
+  def _destroy(self, wid: int) -> None:
+    raise NotImplementedError
+
+  def _fused(self, send) -> bool:
+    """Whether dispatch and GEMM1 run as one call for this shape."""
+    return True
+
+  def dispatch_gemm1(self, send, send_counts, rank, w1q, *, cap):
+    if not self._fused(send):
+      return super().dispatch_gemm1(send, send_counts, rank, w1q, cap=cap)
+    return primitives.dispatch_gemm1(
+        send, send_counts, rank, w1q, cap=cap,
+        options=self.dispatch_options(send, send_counts, cap),
+        gemm1_options=gemm1_options(self.config), graph=self.graph_capturable)
+
+  def check(self):
+    """Raises if a bounded wait of a kernel ran out (recorded on the device: a call with no host
+    step reports it here and at the rank's next call)."""
+    for wid in list(self._windows.values()):
+      msg = self._error(wid)
+      if msg:
+        raise TimeoutError(msg)
+
+  def close(self):
+    with self._lock:
+      for wid in self._windows.values():
+        self._destroy(wid)
+      self._windows = {}
+      self._closed = True
