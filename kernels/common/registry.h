@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 
 namespace jsm {
 
@@ -24,6 +25,18 @@ class Registry {
     const int64_t id = next_id_++;
     sets_[id] = std::move(set);
     return id;
+  }
+  // "" or the first error describe(rank) reports for a local rank of the set `id` (a bounded
+  // wait of its kernels that ran out).
+  template <class Describe>
+  std::string first_error(int64_t id, Describe describe) {
+    std::shared_ptr<Set> set = find(id);
+    if (!set) return "";
+    for (auto& l : set->local) {
+      std::string m = describe(l);
+      if (!m.empty()) return m;
+    }
+    return "";
   }
   // Removes the set `id` and hands it back (null if unknown): the caller frees it outside the lock.
   std::shared_ptr<Set> take(int64_t id) {

@@ -179,13 +179,7 @@ void windows_destroy(int64_t id) {
 }
 
 std::string error_message(int64_t id) {
-  auto w = find_set(id);
-  if (!w) return "";
-  for (auto& l : w->local) {
-    std::string m = describe(l);
-    if (!m.empty()) return m;
-  }
-  return "";
+  return g_sets.first_error(id, [](const LocalRank& l) { return describe(l); });
 }
 
 std::vector<HostStats> host_stats(int64_t id) {
