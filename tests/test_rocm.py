@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
-from jax.sharding import PartitionSpec as P
 
 import jax_sdma_moe as jsm
 from jax_sdma_moe import primitives, reference, runtime
