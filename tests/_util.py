@@ -171,14 +171,18 @@ def check_stage1(tc, out, ref, h32_ref, out_dtype):
 
 
 @functools.lru_cache(maxsize=1)  # one shape's weights at a time: dsv3/v4pro w1 are gigabytes
-def random_w1q(shape_name, device):
+def random_w1q(shape_name, device, wide=False):
   """QuantizedW1 of a fresh random w1 [E, 2I, H] (scaled by 1/sqrt(H)) of a SHAPES entry, made
-  on `device`."""
+  on `device`. wide: each expert further scaled by a power of two in [2^-60, 2^20], so MX scales
+  span far beyond the usual (the GEMM's two-step dequantisation of large scales)."""
   s = jsm.SHAPES[shape_name]
   key = jax.random.key(np.random.SeedSequence().entropy % (2**31))
   with jax.default_device(device):
     w1 = jax.random.normal(key, (s.num_experts, 2 * s.intermediate, s.hidden), jnp.bfloat16
                            ) * jnp.bfloat16(1.0 / np.sqrt(s.hidden))
+    if wide:
+      k = jax.random.randint(jax.random.fold_in(key, 1), (s.num_experts, 1, 1), -60, 21)
+      w1 = w1 * jnp.exp2(k.astype(jnp.float32)).astype(jnp.bfloat16)
     return jax.block_until_ready(jax.jit(jsm.quantize_w1)(w1))
 
 

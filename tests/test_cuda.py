@@ -104,14 +104,15 @@ class CudaStagesTest(parameterized.TestCase):
 
 SHAPE_CASES = [(f"{s}_T{T}_{routing}", s, T, routing) for s, T, routing in
                [(s, T, "uniform") for s in ("small", "dsv3", "v4pro") for T in (1, 7, 128, 4096)]
-               + [("dsv3", 4096, "skewed"), ("small", 128, "skewed"), ("v4pro", 128, "skewed")]]
+               + [("dsv3", 4096, "skewed"), ("small", 128, "skewed"), ("v4pro", 128, "skewed"),
+                  ("dsv3", 1024, "wide"), ("v4pro", 256, "wide")]]
 
 
 @absltest.skipIf(GPU is None, WHY or "")
 class CudaGemm1Test(parameterized.TestCase):
   """gemm1 (and the local dispatch feeding it) against a per-expert float32 reference."""
-  def w1q(self, name):
-    return _util.random_w1q(name, GPU)
+  def w1q(self, name, wide=False):
+    return _util.random_w1q(name, GPU, wide)
 
   @parameterized.named_parameters(*SHAPE_CASES)
   def test_stage1_local(self, shape_name, T, routing):
@@ -122,9 +123,12 @@ class CudaGemm1Test(parameterized.TestCase):
       ids = np.stack([np.concatenate([[0], 1 + r.permutation(7)[:K - 1]]) for _ in range(T)])
     else:
       ids = np.stack([r.permutation(E)[:K] for _ in range(T)])
-    x = jnp.asarray(r.standard_normal((T, H)) * r.uniform(0.5, 2, (T, 1)), jnp.bfloat16)
+    x = r.standard_normal((T, H)) * r.uniform(0.5, 2, (T, 1))
+    if routing == "wide":  # rows 2^-40 .. 2^20 (MX scales far from 127; expert weights too)
+      x = x * np.exp2(r.integers(-40, 21, (T, 1)))
+    x = jnp.asarray(x, jnp.bfloat16)
     w = jnp.asarray(r.random((T, K)), jnp.float32)
-    w1q = self.w1q(shape_name)
+    w1q = self.w1q(shape_name, wide=routing == "wide")
     # MX-fp8 output where there are rows to speak of (each output dtype is a compile)
     for out_dtype in ("bf16", "mxfp8") if T >= 128 else ("bf16",):
       cfg, f = local_stage1(shape_name, out_dtype)

@@ -32,7 +32,7 @@ __device__ __forceinline__ float swiglu(float g, float u, bool has_limit, float 
     g = fminf(g, limit);
     u = fminf(fmaxf(u, -limit), limit);
   }
-  return g / (1.0f + expf(-g)) * u;
+  return g * __frcp_rn(1.0f + __expf(-g)) * u;  // not an IEEE division: within DESIGN §3
 }
 
 // One row's 32-column MX block of h, this thread's 8 values v[n][c] at columns n * 8 + tig * 2 + c:

@@ -29,19 +29,21 @@ using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t
                                    const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
                                    CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 
-// A TMA map of a row-major byte matrix [rows, cols]: boxes of box_rows x 128 bytes, 128-byte
-// swizzle (the K-major layout wgmma reads), zeros outside.
+// A TMA map of a row-major byte matrix [rows, cols]: boxes of box_rows x box_bytes (128: 128-byte
+// swizzle, the K-major layout wgmma reads; 64: 64-byte swizzle; 16: none), zeros outside.
 std::string tensor_map(CUtensorMap* map, const void* base, int64_t cols, int64_t rows,
-                       uint32_t box_rows) {
+                       uint32_t box_rows, uint32_t box_bytes = 128) {
   static EncodeTiledFn encode = driver_function<EncodeTiledFn>("cuTensorMapEncodeTiled");
   if (!encode) return "jax_sdma_moe gemm1: no cuTensorMapEncodeTiled";
   const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
   const cuuint64_t strides[1] = {cuuint64_t(cols)};
-  const cuuint32_t box[2] = {128, box_rows};
+  const cuuint32_t box[2] = {box_bytes, box_rows};
   const cuuint32_t elem[2] = {1, 1};
   const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims,
                             strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            box_bytes == 128  ? CU_TENSOR_MAP_SWIZZLE_128B
+                            : box_bytes == 64 ? CU_TENSOR_MAP_SWIZZLE_64B
+                                              : CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     return "jax_sdma_moe gemm1: cuTensorMapEncodeTiled failed (CUresult " +
@@ -62,7 +64,25 @@ std::string launch_gemm1(Gemm1Args g, int grid, cudaStream_t stream, const Gemm1
   std::string err = last_error("gemm1 padding");
   if (!err.empty() || g.m_cap == 0) return err;
   g.scales_aligned = scales_aligned(g, KB);
-  if (g.H % 128 == 0) {
+  const uint8_t* rows0 = g.epoch_counter ? g.slot_values[0] : g.a;
+  const uint8_t* rows1 = g.epoch_counter ? g.slot_values[1] : g.a;
+  const uint8_t* scales0 = g.epoch_counter ? g.slot_scales[0] : g.a_scales;
+  const uint8_t* scales1 = g.epoch_counter ? g.slot_scales[1] : g.a_scales;
+  const auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  // TMA: 16-byte aligned bases and row strides (H / 32 a multiple of 16)
+  if (g.H % 512 == 0 && g.I % 64 == 0 && aligned16(scales0) && aligned16(scales1) &&
+      aligned16(g.w_scales)) {
+    Bf16RsMaps maps;
+    const int64_t w_rows = int64_t(g.EL) * 2 * g.I, HS = g.H / kBlock;
+    err = tensor_map(&maps.x[0], rows0, g.H, g.m_cap, kTmaXBoxRows, 64);
+    if (err.empty()) err = tensor_map(&maps.x[1], rows1, g.H, g.m_cap, kTmaXBoxRows, 64);
+    if (err.empty()) err = tensor_map(&maps.x_scales[0], scales0, HS, g.m_cap, kTmaXBoxRows, 16);
+    if (err.empty()) err = tensor_map(&maps.x_scales[1], scales1, HS, g.m_cap, kTmaXBoxRows, 16);
+    if (err.empty()) err = tensor_map(&maps.w, g.w, g.H, w_rows, 64, 64);
+    if (err.empty()) err = tensor_map(&maps.w_scales, g.w_scales, HS, w_rows, 64, 16);
+    if (!err.empty()) return err;
+    launch_sm90_mx_bf16_rs(g, maps, grid, stream);
+  } else if (g.H % 128 == 0) {
     CUtensorMap map_a0, map_a1, map_b;
     err = tensor_map(&map_a0, g.epoch_counter ? g.slot_values[0] : g.a, g.H, g.m_cap,
                      kTmaABoxRows);

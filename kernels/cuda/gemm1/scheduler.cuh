@@ -40,11 +40,13 @@ struct Tile {
 // its rows have landed.
 static_assert(kMaxRanks <= kWarp, "wait_arrival reads one source per lane of a warp");
 
-struct TileScheduler {
+// kRows landed rows x kCols output columns per tile.
+template <int kRows, int kCols>
+struct TileSchedulerFor {
   int32_t tile_start[kMaxExperts + 1];
 
   static __device__ __forceinline__ int n_tiles(const Gemm1Args& g) {
-    return int((g.I + BN - 1) / BN);
+    return int((g.I + kCols - 1) / kCols);
   }
 
   // Pipeline stages per tile, kb MX blocks (kb * 32 bytes of K per row) each.
@@ -54,7 +56,7 @@ struct TileScheduler {
 
   __device__ __forceinline__ void init(const Gemm1Args& g) {
     exclusive_scan_smem(g.EL, tile_start,
-                        [&](int e) { return (g.counts[e] + BM - 1) / BM * n_tiles(g); });
+                        [&](int e) { return (g.counts[e] + kRows - 1) / kRows * n_tiles(g); });
   }
 
   __device__ __forceinline__ int total(const Gemm1Args& g) const { return tile_start[g.EL]; }
@@ -100,12 +102,13 @@ struct TileScheduler {
     const int local = w - tile_start[lo], mt = local / n_tiles(g);
     Tile t;
     t.e = lo;
-    t.row0 = g.offsets[lo] + int64_t(mt) * BM;
-    t.rows = min(BM, g.counts[lo] - mt * BM);
-    t.n0 = int64_t(local % n_tiles(g)) * BN;
+    t.row0 = g.offsets[lo] + int64_t(mt) * kRows;
+    t.rows = min(kRows, g.counts[lo] - mt * kRows);
+    t.n0 = int64_t(local % n_tiles(g)) * kCols;
     return t;
   }
 };
+using TileScheduler = TileSchedulerFor<BM, BN>;
 
 }  // namespace gemm1
 }  // namespace cuda

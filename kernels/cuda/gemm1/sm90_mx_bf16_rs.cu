@@ -1,0 +1,526 @@
+// Grouped MX-fp8 GEMM1 + SwiGLU on Hopper through bf16 tensor cores (the default where
+// H % 128 == 0 and I % 64 == 0). Exact MX arithmetic (DESIGN §3) without a per-block promotion:
+// an e4m3 value times its power-of-two scale is exactly a bf16 (float32's exponent range), so the
+// products of dequantised values are exact and bf16 `wgmma` sums them in float32 over all of K.
+// The fp8 kernel's per-32 promotion (FMUL + FFMA per accumulator and block) capped it near half
+// the fp8 rate; here the tensor cores run a plain deep pipeline and the cost moves to the upcasts.
+//
+// Roles (one CTA per SM, persistent over (expert, token tile, column tile) work items):
+// - weights are the M side of `wgmma` and come from registers: each consumer warpgroup owns 64 gate
+//   + 64 up weight rows (the same 64 output columns, so SwiGLU pairs accumulators of one thread),
+//   loads its fragments as fp8 from shared memory and upcasts them (upcast4) just before issuing;
+// - tokens are the N side (16, 32, 64 or 128, the tile's rows rounded up) and come from shared
+//   memory as bf16: the producer warpgroup loads fp8 rows and weights by TMA, then upcasts the token
+//   rows into a second ring (dequantised, K permuted to match the register fragments, 128-byte
+//   swizzle) and converts the weights' scales to bf16 factors.
+// Two rings: A (TMA: weights, fp8 token rows, the scale words; SA deep) and B (bf16 token rows and
+// weight factors; SB deep); the producer transforms stage j LAG stages after issuing its loads.
+// Fused with a dispatch (g.arrival), the producer waits for each expert's rows before its loads.
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "kernels/common/mxfp8.h"
+#include "kernels/cuda/gemm1/args.h"
+#include "kernels/cuda/gemm1/common.cuh"
+#include "kernels/cuda/gemm1/kernels.h"
+#include "kernels/cuda/gemm1/scheduler.cuh"
+#include "kernels/cuda/gemm1/sm90.cuh"
+
+namespace jsm {
+namespace cuda {
+namespace gemm1 {
+namespace sm90_bf16 {
+
+constexpr int TOK = kBf16TileTokens;  // tokens per tile (wgmma N at most)
+constexpr int COLS = kBf16TileCols;   // output columns per tile: 64 per consumer warpgroup
+constexpr int WROWS = 2 * COLS;       // weight rows per tile
+constexpr int KS = 64;                // K per stage: two MX blocks, one 64-byte fp8 row
+constexpr int SA = 4, SB = 3;
+// Scales come by TMA in super-stages of kScaleStages stages (16 scale bytes per row, the smallest
+// TMA box), two super-stages deep.
+constexpr int kScaleStages = 8, kScaleBytes = kScaleStages * KS / kBlock;
+constexpr int THREADS = 384;  // producer warpgroup + two consumer warpgroups
+constexpr int kEpiStride = 68;  // floats per staged token row: 8 * tig + g spreads a warp's stores
+static_assert(TOK == 128 && COLS == 128, "one producer thread per token row; two warpgroups");
+
+// Ring A, filled by TMA (fp8, 64-byte swizzle: 16-byte chunk c of row r at c ^ ((r >> 1) & 3)) and
+// the producer's cp.async of the scale words. Weight row r: consumer warpgroup r / 128, gate
+// (r % 128 < 64) or up, output column n0 + 64 * (r / 128) + r % 64.
+struct alignas(1024) StageA {
+  uint8_t w[WROWS * KS];
+  uint8_t x[TOK * KS];
+  int rows;  // the tile's valid token rows
+};
+// One super-stage's e8m0 scale bytes: weight rows (as in StageA) and token rows.
+struct alignas(128) ScaleStage {
+  uint8_t w[WROWS][kScaleBytes];
+  uint8_t x[TOK][kScaleBytes];
+};
+// Ring B, written by the producer: bf16 token rows, K-major with 128-byte swizzle (the layout of
+// wgmma's B descriptor), and the weight rows' factors (bf16x2, see factor_bf16x2).
+struct alignas(1024) StageB {
+  uint8_t x[TOK * 2 * KS];
+  uint32_t factor[2][WROWS];
+  int slow;  // some weight factor of the stage needs the two-step multiply (fast_scale)
+};
+struct Shared {
+  StageA a[SA];
+  StageB b[SB];
+  ScaleStage scales[2];
+  float epi[2][64 * kEpiStride];  // per consumer warpgroup: h of 64 tokens x 64 columns
+  uint64_t loaded[SA], empty_a[SA], full_b[SB], empty_b[SB], scales_loaded[2], scales_empty[2];
+};
+// + the worst alignment pad: dynamic shared memory starts 16-byte aligned at least
+constexpr int kSmemBytes = int(sizeof(Shared)) + 1024 - 16;
+static_assert(kSmemBytes + int(sizeof(int32_t)) * (kMaxExperts + 1) <= 227 * 1024,
+              "shared memory of one CTA (dynamic + the scheduler's static prefix)");
+
+using Scheduler = TileSchedulerFor<TOK, COLS>;
+
+// --- the upcast --------------------------------------------------------------------------------
+// An e4m3 byte b as bf16 bits (sext16(b) << 4) & 0x87F0 is b's value times 2^-120 exactly: the
+// sign in place, the exponent and mantissa in bf16's low exponent bits and top mantissa bits (e4m3
+// subnormals become bf16 subnormals). One multiply by 2^(e - 7) then gives value * 2^(e - 127), the
+// dequantised element. That factor is a bf16 for e <= 134 (blocks with amax below 448 * 2^7) and
+// for the NaN scale 0xFF; a stage with larger scales multiplies twice (2^120, then 2^(e - 127)).
+__device__ __forceinline__ bool fast_scale(uint32_t e) { return e <= 134 || e == 0xFF; }
+
+// (2^(e - 127) for e = 0 is a bf16 subnormal, 0x0040.)
+__device__ __forceinline__ uint32_t factor_bf16x2(uint32_t e, bool slow) {
+  const uint32_t bits = e == 0xFF ? 0x7FC0u : !slow ? (e + 120) << 7 : e == 0 ? 0x0040u : e << 7;
+  return bits | bits << 16;
+}
+
+__device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm volatile("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// Four e4m3 bytes of w -> bf16x2 lo (bytes 0, 1) and hi (bytes 2, 3), dequantised by `factor`.
+__device__ __forceinline__ void upcast4(uint32_t w, uint32_t factor, bool slow, uint32_t& lo,
+                                        uint32_t& hi) {
+  uint32_t a, b;
+  asm volatile("prmt.b32 %0, %1, 0, 0x9180;" : "=r"(a) : "r"(w));  // b0, sign(b0), b1, sign(b1)
+  asm volatile("prmt.b32 %0, %1, 0, 0xB3A2;" : "=r"(b) : "r"(w));
+  a = (a << 4) & 0x87F087F0u;
+  b = (b << 4) & 0x87F087F0u;
+  if (slow) {
+    constexpr uint32_t k2p120 = 0x7B807B80u;  // bf16x2 2^120
+    a = mul_bf16x2(a, k2p120);
+    b = mul_bf16x2(b, k2p120);
+  }
+  lo = mul_bf16x2(a, factor);
+  hi = mul_bf16x2(b, factor);
+}
+
+// --- producer warpgroup: a loader warp and three transform warps -----------------------------
+
+constexpr int kTransformThreads = 96;  // warps 1-3 of the producer warpgroup
+
+__device__ __forceinline__ void transform_barrier() {
+  asm volatile("bar.sync 1, 96;" ::: "memory");
+}
+// transform_barrier that also returns whether any transform thread passed `p`
+__device__ __forceinline__ bool transform_barrier_or(bool p) {
+  uint32_t r;
+  asm volatile(
+      "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, 1, 96, p;\n"
+      "selp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(r)
+      : "r"(uint32_t(p))
+      : "memory");
+  return r != 0;
+}
+
+// The loader warp: stage after stage, once its A slot is free, the TMA loads of weights and token
+// rows; every kScaleStages stages, once a scale slot is free, the scales of the next ones. Lane 0
+// issues; fused with a dispatch, the warp first waits (bounded) for each expert's rows.
+__device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared& sh, const Scheduler& sched,
+                                            const CUtensorMap* map_x, const CUtensorMap* map_w,
+                                            const CUtensorMap* map_xs, const CUtensorMap* map_ws,
+                                            int lane) {
+  const int total = sched.total(g), num_k = int(g.H / KS);
+  int ready = -1;
+  uint32_t issued = 0;
+  for (int w = blockIdx.x; w < total; w += gridDim.x) {
+    const Tile t = sched.tile(g, w);
+    Scheduler::wait_arrival(g, t.e, ready);
+    const int x_boxes = (t.rows + kTmaXBoxRows - 1) / kTmaXBoxRows;
+    const int w_boxes = t.n0 + 64 < g.I ? 4 : 2;  // the second warpgroup's columns exist?
+    const int w_row = int(int64_t(t.e) * 2 * g.I + t.n0);
+    for (int ks = 0; ks < num_k; ++ks, ++issued) {
+      StageA& A = sh.a[issued % SA];
+      uint64_t* bar = &sh.loaded[issued % SA];
+      if (ks % kScaleStages == 0) {  // num_k is a multiple of kScaleStages (launch: H % 512 == 0)
+        const uint32_t u = issued / kScaleStages;
+        ScaleStage& S = sh.scales[u % 2];
+        uint64_t* sbar = &sh.scales_loaded[u % 2];
+        mbar_wait(&sh.scales_empty[u % 2], ((u / 2) & 1) ^ 1);
+        if (lane == 0) {
+          mbar_arrive_expect_tx(sbar, uint32_t(x_boxes * kTmaXBoxRows + w_boxes * 64) * kScaleBytes);
+          const int x0 = ks / kScaleStages * kScaleBytes;
+          for (int i = 0; i < x_boxes; ++i)
+            tma_load_2d(S.x[i * kTmaXBoxRows], map_xs, sbar, x0, int(t.row0) + i * kTmaXBoxRows);
+          for (int i = 0; i < w_boxes; ++i)
+            tma_load_2d(S.w[i * 64], map_ws, sbar, x0, w_row + (i & 1) * int(g.I) + (i / 2) * 64);
+        }
+      }
+      mbar_wait(&sh.empty_a[issued % SA], ((issued / SA) & 1) ^ 1);
+      if (lane == 0) {
+        A.rows = t.rows;
+        mbar_arrive_expect_tx(bar, uint32_t(x_boxes * kTmaXBoxRows + w_boxes * 64) * KS);
+        for (int i = 0; i < x_boxes; ++i)
+          tma_load_2d(A.x + i * kTmaXBoxRows * KS, map_x, bar, ks * KS,
+                      int(t.row0) + i * kTmaXBoxRows);
+        for (int i = 0; i < w_boxes; ++i)  // box i: warpgroup i / 2, gate (even) or up rows
+          tma_load_2d(A.w + i * 64 * KS, map_w, bar, ks * KS,
+                      w_row + (i & 1) * int(g.I) + (i / 2) * 64);
+      }
+    }
+  }
+}
+
+// Token row r's MX block blk (32 fp8 bytes of stage A) -> bf16 in stage B. Within each k16 step
+// the K order is the consumers' fragment order: a consumer thread tig reads bytes 8 tig .. 8 tig + 7
+// of a block as words 2 tig (step 0) and 2 tig + 1 (step 1), bytes 0-1 of a word at k = 2 tig,
+// 2 tig + 1 and bytes 2-3 at k = 8 + 2 tig, 9 + 2 tig of its step (the mma A fragment layout).
+__device__ __forceinline__ void upcast_token_block(const StageA& A, StageB& B, uint32_t e, int r,
+                                                   int blk) {
+  const uint32_t x_row = smem_addr(A.x) + r * KS, swz = (r >> 1) & 3;
+  const uint4 in0 = lds128(x_row + (((2 * blk) ^ swz) << 4));
+  const uint4 in1 = lds128(x_row + (((2 * blk + 1) ^ swz) << 4));
+  const bool slow = !fast_scale(e);
+  const uint32_t f = factor_bf16x2(e, slow);
+  // chunk q of the block (8 bf16): step q / 2, k 0-7 (lo) or 8-15 (hi) of words 2 tig + q / 2,
+  // i.e. the 16-byte input chunk c gives steps c's words: step 0 from words 0, 2 (chunk 0), 4, 6
+  const uint32_t b_row = smem_addr(B.x) + r * 2 * KS;
+#pragma unroll
+  for (int step = 0; step < 2; ++step) {
+    const uint32_t w[4] = {step ? in0.y : in0.x, step ? in0.w : in0.z, step ? in1.y : in1.x,
+                           step ? in1.w : in1.z};  // words 2 tig + step, tig = 0..3
+    uint32_t lo[4], hi[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) upcast4(w[i], f, slow, lo[i], hi[i]);
+    sts128(b_row + (((blk * 4 + 2 * step) ^ (r & 7)) << 4), make_uint4(lo[0], lo[1], lo[2], lo[3]));
+    sts128(b_row + (((blk * 4 + 2 * step + 1) ^ (r & 7)) << 4), make_uint4(hi[0], hi[1], hi[2], hi[3]));
+  }
+}
+
+// The transform warps, stage after stage: weight factors and bf16 token rows into ring B, then B
+// full and A's token rows free. t: 0..95.
+__device__ __forceinline__ void transform_stages(const Gemm1Args& g, Shared& sh,
+                                                 const Scheduler& sched, int t) {
+  const int total = sched.total(g), num_k = int(g.H / KS);
+  const int tiles = total > int(blockIdx.x) ? (total - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x) : 0;
+  const uint32_t stages = uint32_t(tiles) * uint32_t(num_k);
+  for (uint32_t j = 0; j < stages; ++j) {
+    StageA& A = sh.a[j % SA];
+    StageB& B = sh.b[j % SB];
+    const uint32_t u = j / kScaleStages, sk = (j % kScaleStages) * 2;  // the stage's scale bytes
+    const ScaleStage& S = sh.scales[u % 2];
+    if (j % kScaleStages == 0) mbar_wait(&sh.scales_loaded[u % 2], (u / 2) & 1);
+    mbar_wait(&sh.loaded[j % SA], (j / SA) & 1);
+    uint32_t e[3][2];
+    bool slow = false;
+#pragma unroll
+    for (int h = 0; h < 3; ++h) {  // weight rows t, t + 96, t + 192 (< 256)
+      const int r = t + kTransformThreads * h;
+#pragma unroll
+      for (int blk = 0; blk < 2; ++blk) {
+        e[h][blk] = r < WROWS ? S.w[r][sk + blk] : 127;
+        slow |= !fast_scale(e[h][blk]);
+      }
+    }
+    slow = transform_barrier_or(slow);
+    mbar_wait(&sh.empty_b[j % SB], ((j / SB) & 1) ^ 1);
+#pragma unroll
+    for (int h = 0; h < 3; ++h) {
+      const int r = t + kTransformThreads * h;
+      if (r < WROWS)
+#pragma unroll
+        for (int blk = 0; blk < 2; ++blk) B.factor[blk][r] = factor_bf16x2(e[h][blk], slow);
+    }
+    if (t == 0) B.slow = slow;
+    const int items = (A.rows + 15) / 16 * 16 * 2;  // (token row, MX block), rows by TMA box
+    for (int i = t; i < items; i += kTransformThreads)
+      upcast_token_block(A, B, S.x[i >> 1][sk + (i & 1)], i >> 1, i & 1);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // wgmma reads B.x next
+    transform_barrier();
+    if (t == 0) {
+      mbar_arrive(&sh.full_b[j % SB]);
+      mbar_arrive(&sh.empty_a[j % SA]);
+      if (j % kScaleStages == kScaleStages - 1) mbar_arrive(&sh.scales_empty[u % 2]);
+    }
+  }
+}
+
+// --- consumers ---------------------------------------------------------------------------------
+
+__device__ __forceinline__ void consumer_barrier(int cw) {  // one consumer warpgroup
+  asm volatile("bar.sync %0, 128;" ::"r"(2 + cw) : "memory");
+}
+
+// A warpgroup's fragments of one MX block: [gate/up][k16 step][the 4 A registers].
+struct Frags {
+  uint32_t r[2][2][4];
+};
+
+// Pins values in registers at this point of the instruction stream: before wgmma's arrive (all
+// 16 fragment registers live at once) and after the wait that retires their wgmma (so ptxas keeps
+// them apart from the next block's, instead of reusing 4 registers and serialising every wgmma).
+__device__ __forceinline__ void fence_frags(Frags& f) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) asm volatile("" : "+r"((&f.r[0][0][0])[i])::"memory");
+}
+template <int M>
+__device__ __forceinline__ void fence_acc(float (&a)[M]) {
+#pragma unroll
+  for (int i = 0; i < M; ++i) asm volatile("" : "+f"(a[i])::"memory");
+}
+
+// Weight rows row_g = warp * 16 + g and row_g + 8 of the warpgroup's gate and up halves, block
+// blk: 8 fp8 bytes each (bytes 8 tig .. 8 tig + 7: word 0 is step 0, word 1 step 1), upcast.
+template <bool kSlow>
+__device__ __forceinline__ void load_frags(Frags& f, uint32_t w_base, uint32_t factor_base, int cw,
+                                           int row_g, int tig, int blk) {
+  const int c = blk * 2 + tig / 2, within = (tig & 1) * 8;
+#pragma unroll
+  for (int part = 0; part < 2; ++part) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = cw * 128 + part * 64 + row_g + 8 * h;
+      const uint2 v = lds64(w_base + r * KS + ((c ^ ((r >> 1) & 3)) << 4) + within);
+      const uint32_t fac = lds32(factor_base + (blk * WROWS + r) * 4);
+      // A registers: 0 = (row g, k 2tig..), 1 = (row g+8, k 2tig..), 2 = (row g, k 8+2tig..), 3
+      upcast4(v.x, fac, kSlow, f.r[part][0][h], f.r[part][0][2 + h]);
+      upcast4(v.y, fac, kSlow, f.r[part][1][h], f.r[part][1][2 + h]);
+    }
+  }
+}
+
+// Block blk of one stage: for each k16 step, gate and up rows times the first 64 tokens, and the
+// next 64 when the tile has them (`two`). One wgmma shape (m64n64k16) for every tile: ptxas
+// serialises the wgmma of a function that mixes shapes (C7511/C7512), and a 64-token half costs a
+// small tile (<= 16 rows, weight-streaming) only tensor time it has to spare.
+template <bool kTwo>
+__device__ __forceinline__ void issue_block(float (&gate)[64], float (&up)[64], Frags& f,
+                                            uint32_t b_base, int blk) {
+  const uint32_t k0 = b_base + blk * 64;
+  fence_frags(f);
+  fence_acc(gate);
+  fence_acc(up);
+  wgmma_fence();
+#pragma unroll
+  for (int half = 0; half < (kTwo ? 2 : 1); ++half) {
+    const uint32_t rows = k0 + half * 64 * 2 * KS;  // tokens 64 * half ..
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const uint64_t desc = smem_desc_addr(rows + s * 32);
+      wgmma_bf16_rs<64>(gate + 32 * half, f.r[0][s], desc);
+      wgmma_bf16_rs<64>(up + 32 * half, f.r[1][s], desc);
+    }
+  }
+  wgmma_commit();
+  fence_acc(gate);
+  fence_acc(up);
+}
+
+// 32 columns of h for one token row from 32 float32 values: bf16, or MX-fp8 with its scale byte.
+__device__ __forceinline__ void store_h_block(const Gemm1Args& g, int64_t row, int64_t col0,
+                                              const float* v) {
+  if (g.h_bf16) {
+    uint4* dst = reinterpret_cast<uint4*>(g.h_bf16 + row * g.I + col0);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      uint32_t p[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        p[i] = uint32_t(f32_to_bf16(v[q * 8 + 2 * i])) |
+               uint32_t(f32_to_bf16(v[q * 8 + 2 * i + 1])) << 16;
+      dst[q] = make_uint4(p[0], p[1], p[2], p[3]);
+    }
+    return;
+  }
+  float amax = 0.0f;
+  bool finite = true;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    amax = fmaxf(amax, fabsf(v[i]));
+    finite &= isfinite(v[i]);
+  }
+  const uint32_t e = finite ? e8m0_for_amax(amax) : kScaleNaN;
+  const float mul = quant_multiplier(e);
+  uint4* dst = reinterpret_cast<uint4*>(g.h_values + row * g.I + col0);
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    uint32_t p[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      uint32_t word = 0;
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        const float x = v[q * 16 + i * 4 + b];
+        word |= uint32_t(finite ? f32_to_e4m3fn(x * mul) : kValueNaN) << (8 * b);
+      }
+      p[i] = word;
+    }
+    dst[q] = make_uint4(p[0], p[1], p[2], p[3]);
+  }
+  g.h_scales[row * (g.I / kBlock) + col0 / kBlock] = uint8_t(e);
+}
+
+// SwiGLU of the warpgroup's 64 columns x the tile's tokens, staged through shared memory (so each
+// thread stores 32 consecutive columns of one token: one MX block), 64 tokens at a time.
+__device__ __forceinline__ void epilogue(const Gemm1Args& g, const Tile& t, float* epi,
+                                         const float (&gate)[64], const float (&up)[64], int cw,
+                                         int tid, int row_g, int tig) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    if (half == 1 && t.rows <= 64) break;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int i = half * 32 + j * 4 + 2 * h + c;
+          epi[(j * 8 + 2 * tig + c) * kEpiStride + row_g + 8 * h] =
+              swiglu(gate[i], up[i], g.has_limit, g.limit);
+        }
+    consumer_barrier(cw);
+    const int tok = tid % 64, blk = tid / 64;
+    if (half * 64 + tok < t.rows) {
+      float v[32];
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        const float4 x = *reinterpret_cast<const float4*>(epi + tok * kEpiStride + blk * 32 + 4 * q);
+        v[4 * q] = x.x, v[4 * q + 1] = x.y, v[4 * q + 2] = x.z, v[4 * q + 3] = x.w;
+      }
+      store_h_block(g, t.row0 + half * 64 + tok, t.n0 + cw * 64 + blk * 32, v);
+    }
+    consumer_barrier(cw);  // the staging is free again
+  }
+}
+
+// One tile of one consumer warpgroup with N token columns. `consumed` counts stages of all tiles.
+// Per stage, block 0's fragments are upcast while the previous stage's block 1 computes, and block
+// 1's while block 0 computes; a stage's buffers are released once both its blocks have retired.
+// gate, up: [64 * half + token's fragment index] for tokens 64 * half ..; f0, f1: the caller's.
+// kTwo: the tile has more than 64 rows.
+template <bool kTwo>
+__device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared& sh, const Tile& t,
+                                             int num_k, uint32_t& consumed, int cw, int tid,
+                                             float (&gate)[64], float (&up)[64], Frags& f0,
+                                             Frags& f1) {
+  const int warp = tid / 32, lane = tid % 32;
+  const int row_g = warp * 16 + lane / 4, tig = lane % 4;
+  const bool active = t.n0 + cw * 64 < g.I;
+#pragma unroll
+  for (int i = 0; i < 64; ++i) gate[i] = up[i] = 0.0f;
+  // Ring A (the fp8 weights) is free once both blocks' fragments are in registers; ring B (the
+  // bf16 tokens wgmma reads) once the stage's wgmma have retired. Per warp: every lane has read.
+  auto release_a = [&](uint32_t j) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&sh.empty_a[j % SA]);
+  };
+  auto release = [&](uint32_t j) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&sh.empty_b[j % SB]);
+  };
+  for (int ks = 0; ks < num_k; ++ks, ++consumed) {
+    StageB& B = sh.b[consumed % SB];
+    mbar_wait(&sh.loaded[consumed % SA], (consumed / SA) & 1);
+    mbar_wait(&sh.full_b[consumed % SB], (consumed / SB) & 1);
+    if (active) {
+      const uint32_t w_base = smem_addr(sh.a[consumed % SA].w);
+      const uint32_t factor_base = smem_addr(&B.factor[0][0]), b_base = smem_addr(B.x);
+      const bool slow = B.slow != 0;
+      wgmma_wait<1>();  // block 0 of the previous stage has retired: f0 is free
+      fence_frags(f0);
+      if (slow) load_frags<true>(f0, w_base, factor_base, cw, row_g, tig, 0);
+      else load_frags<false>(f0, w_base, factor_base, cw, row_g, tig, 0);
+      issue_block<kTwo>(gate, up, f0, b_base, 0);
+      wgmma_wait<1>();  // the previous stage has retired: f1 and its buffers are free
+      fence_frags(f1);
+      if (ks > 0) release(consumed - 1);
+      if (slow) load_frags<true>(f1, w_base, factor_base, cw, row_g, tig, 1);
+      else load_frags<false>(f1, w_base, factor_base, cw, row_g, tig, 1);
+      release_a(consumed);
+      issue_block<kTwo>(gate, up, f1, b_base, 1);
+    } else {
+      release_a(consumed);
+      if (ks > 0) release(consumed - 1);
+    }
+  }
+  wgmma_wait<0>();
+  fence_frags(f0);
+  fence_frags(f1);
+  fence_acc(gate);
+  fence_acc(up);
+  release(consumed - 1);
+  if (active) epilogue(g, t, sh.epi[cw], gate, up, cw, tid, row_g, tig);
+}
+
+// maps: see Bf16RsMaps (kernels.h).
+__global__ void __launch_bounds__(THREADS, 1)
+    gemm1_sm90_mx_bf16_rs(const Gemm1Args g_in, const __grid_constant__ Bf16RsMaps maps) {
+  const Gemm1Args g = resolve_slot(g_in);
+  const int parity = g.epoch_counter ? int(g.epoch & 1) : 0;
+  extern __shared__ uint8_t smem_raw[];
+  // 1024-aligned (the swizzle patterns), as an offset from smem_raw so that the compiler keeps
+  // shared-memory instructions
+  Shared& sh = *reinterpret_cast<Shared*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
+  __shared__ Scheduler sched;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < SA; ++s) {
+      mbar_init(&sh.loaded[s], 1);  // lane 0's expect_tx + the TMA bytes
+      mbar_init(&sh.empty_a[s], 8 + 1);     // each consumer warp and the transform
+    }
+    for (int s = 0; s < SB; ++s) {
+      mbar_init(&sh.full_b[s], 1);
+      mbar_init(&sh.empty_b[s], 8);
+    }
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(&sh.scales_loaded[s], 1);
+      mbar_init(&sh.scales_empty[s], 1);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  sched.init(g);  // ends with __syncthreads: the barriers are initialised for everyone
+  const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 88;");
+    if (tid < kWarp)
+      load_stages(g, sh, sched, &maps.x[parity], &maps.w, &maps.x_scales[parity], &maps.w_scales,
+                  tid);
+    else transform_stages(g, sh, sched, tid - kWarp);
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 208;");
+  const int cw = wg - 1, total = sched.total(g), num_k = int(g.H / KS);
+  uint32_t consumed = 0;
+  float gate[64], up[64];
+  Frags f0 = {}, f1 = {};
+  for (int w = blockIdx.x; w < total; w += gridDim.x) {
+    const Tile t = sched.tile(g, w);
+    consume_tile<true>(g, sh, t, num_k, consumed, cw, tid, gate, up, f0, f1);
+
+  }
+}
+
+}  // namespace sm90_bf16
+
+void launch_sm90_mx_bf16_rs(const Gemm1Args& g, const Bf16RsMaps& maps, int grid,
+                            cudaStream_t stream) {
+  auto kernel = sm90_bf16::gemm1_sm90_mx_bf16_rs;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sm90_bf16::kSmemBytes);
+  kernel<<<grid, sm90_bf16::THREADS, sm90_bf16::kSmemBytes, stream>>>(g, maps);
+}
+
+}  // namespace gemm1
+}  // namespace cuda
+}  // namespace jsm
