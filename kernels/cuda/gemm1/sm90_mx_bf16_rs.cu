@@ -318,8 +318,8 @@ __device__ __forceinline__ void issue_block(float (&gate)[64], float (&up)[64], 
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
       const uint64_t desc = smem_desc_addr(rows + s * 32);
-      wgmma_bf16_rs<64>(gate + 32 * half, f.r[0][s], desc);
-      wgmma_bf16_rs<64>(up + 32 * half, f.r[1][s], desc);
+      wgmma_m64n64k16_bf16_rs(gate + 32 * half, f.r[0][s], desc);
+      wgmma_m64n64k16_bf16_rs(up + 32 * half, f.r[1][s], desc);
     }
   }
   wgmma_commit();
