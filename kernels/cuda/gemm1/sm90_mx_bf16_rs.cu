@@ -1,5 +1,5 @@
 // Grouped MX-fp8 GEMM1 + SwiGLU on Hopper through bf16 tensor cores (the default where
-// H % 128 == 0 and I % 64 == 0). Exact MX arithmetic (DESIGN §3) without a per-block promotion:
+// H % 512 == 0 and I % 64 == 0). Exact MX arithmetic (DESIGN §3) without a per-block promotion:
 // an e4m3 value times its power-of-two scale is exactly a bf16 (float32's exponent range), so the
 // products of dequantised values are exact and bf16 `wgmma` sums them in float32 over all of K.
 // The fp8 kernel's per-32 promotion (FMUL + FFMA per accumulator and block) capped it near half
@@ -9,13 +9,15 @@
 // - weights are the M side of `wgmma` and come from registers: each consumer warpgroup owns 64 gate
 //   + 64 up weight rows (the same 64 output columns, so SwiGLU pairs accumulators of one thread),
 //   loads its fragments as fp8 from shared memory and upcasts them (upcast4) just before issuing;
-// - tokens are the N side (16, 32, 64 or 128, the tile's rows rounded up) and come from shared
-//   memory as bf16: the producer warpgroup loads fp8 rows and weights by TMA, then upcasts the token
-//   rows into a second ring (dequantised, K permuted to match the register fragments, 128-byte
-//   swizzle) and converts the weights' scales to bf16 factors.
-// Two rings: A (TMA: weights, fp8 token rows, the scale words; SA deep) and B (bf16 token rows and
-// weight factors; SB deep); the producer transforms stage j LAG stages after issuing its loads.
-// Fused with a dispatch (g.arrival), the producer waits for each expert's rows before its loads.
+// - tokens are the N side (64 or 128 per tile, one wgmma shape: issue_block) and come from shared
+//   memory as bf16: in the producer warpgroup a loader warp brings fp8 rows, weights and scales by
+//   TMA, and three transform warps upcast the token rows into a second ring (dequantised, K
+//   permuted to match the register fragments, 128-byte swizzle) and turn the weights' scales into
+//   bf16 factors.
+// Rings: A (TMA: weights and fp8 token rows; SA deep), the scales (two super-stages of
+// kScaleStages stages) and B (bf16 token rows and weight factors; SB deep). Consumers free A as
+// soon as their fragments are in registers, B once the stage's wgmma have retired.
+// Fused with a dispatch (g.arrival), the loader waits for each expert's rows before its loads.
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -42,11 +44,11 @@ constexpr int SA = 4, SB = 3;
 constexpr int kScaleStages = 8, kScaleBytes = kScaleStages * KS / kBlock;
 constexpr int THREADS = 384;  // producer warpgroup + two consumer warpgroups
 constexpr int kEpiStride = 68;  // floats per staged token row: 8 * tig + g spreads a warp's stores
-static_assert(TOK == 128 && COLS == 128, "one producer thread per token row; two warpgroups");
+static_assert(TOK == 128 && COLS == 128, "two 64-token halves; two consumer warpgroups");
 
-// Ring A, filled by TMA (fp8, 64-byte swizzle: 16-byte chunk c of row r at c ^ ((r >> 1) & 3)) and
-// the producer's cp.async of the scale words. Weight row r: consumer warpgroup r / 128, gate
-// (r % 128 < 64) or up, output column n0 + 64 * (r / 128) + r % 64.
+// Ring A, filled by TMA (fp8, 64-byte swizzle: 16-byte chunk c of row r at c ^ ((r >> 1) & 3)).
+// Weight row r: consumer warpgroup r / 128, gate (r % 128 < 64) or up, output column
+// n0 + 64 * (r / 128) + r % 64.
 struct alignas(1024) StageA {
   uint8_t w[WROWS * KS];
   uint8_t x[TOK * KS];
@@ -300,11 +302,11 @@ __device__ __forceinline__ void load_frags(Frags& f, uint32_t w_base, uint32_t f
   }
 }
 
-// Block blk of one stage: for each k16 step, gate and up rows times the first 64 tokens, and the
-// next 64 when the tile has them (`two`). One wgmma shape (m64n64k16) for every tile: ptxas
-// serialises the wgmma of a function that mixes shapes (C7511/C7512), and a 64-token half costs a
-// small tile (<= 16 rows, weight-streaming) only tensor time it has to spare.
-template <bool kTwo>
+// Block blk of one stage: for each k16 step, gate and up rows times both 64-token halves of the
+// tile, whatever its rows: one code path. Variants for small tiles (one half; or N = 16, 32) made
+// ptxas serialise every wgmma of the kernel (C7511/C7512: registers), and at 16 rows per expert
+// the full tile's tensor time still hides under the weight stream (2.36 ms for dsv3's 128
+// experts, docs/PERF.md).
 __device__ __forceinline__ void issue_block(float (&gate)[64], float (&up)[64], Frags& f,
                                             uint32_t b_base, int blk) {
   const uint32_t k0 = b_base + blk * 64;
@@ -313,7 +315,7 @@ __device__ __forceinline__ void issue_block(float (&gate)[64], float (&up)[64], 
   fence_acc(up);
   wgmma_fence();
 #pragma unroll
-  for (int half = 0; half < (kTwo ? 2 : 1); ++half) {
+  for (int half = 0; half < 2; ++half) {
     const uint32_t rows = k0 + half * 64 * 2 * KS;  // tokens 64 * half ..
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
@@ -404,12 +406,10 @@ __device__ __forceinline__ void epilogue(const Gemm1Args& g, const Tile& t, floa
   }
 }
 
-// One tile of one consumer warpgroup with N token columns. `consumed` counts stages of all tiles.
+// One tile of one consumer warpgroup. `consumed` counts stages of all tiles.
 // Per stage, block 0's fragments are upcast while the previous stage's block 1 computes, and block
 // 1's while block 0 computes; a stage's buffers are released once both its blocks have retired.
-// gate, up: [64 * half + token's fragment index] for tokens 64 * half ..; f0, f1: the caller's.
-// kTwo: the tile has more than 64 rows.
-template <bool kTwo>
+// gate, up: [32 * half + the fragment index] for tokens 64 * half ..; f0, f1: the caller's.
 __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared& sh, const Tile& t,
                                              int num_k, uint32_t& consumed, int cw, int tid,
                                              float (&gate)[64], float (&up)[64], Frags& f0,
@@ -441,14 +441,14 @@ __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared& sh, con
       fence_frags(f0);
       if (slow) load_frags<true>(f0, w_base, factor_base, cw, row_g, tig, 0);
       else load_frags<false>(f0, w_base, factor_base, cw, row_g, tig, 0);
-      issue_block<kTwo>(gate, up, f0, b_base, 0);
+      issue_block(gate, up, f0, b_base, 0);
       wgmma_wait<1>();  // the previous stage has retired: f1 and its buffers are free
       fence_frags(f1);
       if (ks > 0) release(consumed - 1);
       if (slow) load_frags<true>(f1, w_base, factor_base, cw, row_g, tig, 1);
       else load_frags<false>(f1, w_base, factor_base, cw, row_g, tig, 1);
       release_a(consumed);
-      issue_block<kTwo>(gate, up, f1, b_base, 1);
+      issue_block(gate, up, f1, b_base, 1);
     } else {
       release_a(consumed);
       if (ks > 0) release(consumed - 1);
@@ -507,8 +507,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   Frags f0 = {}, f1 = {};
   for (int w = blockIdx.x; w < total; w += gridDim.x) {
     const Tile t = sched.tile(g, w);
-    consume_tile<true>(g, sh, t, num_k, consumed, cw, tid, gate, up, f0, f1);
-
+    consume_tile(g, sh, t, num_k, consumed, cw, tid, gate, up, f0, f1);
   }
 }
 
