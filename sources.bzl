@@ -10,6 +10,8 @@ JSM_CC_SRCS = [
     "ffi/module.cc",
     "ffi/cpu_handlers.cc",
     "kernels/cpu/dispatch.cc",
+    "kernels/cpu/combine.cc",
+    "kernels/cpu/window_table.cc",
 ]
 
 # CUDA: every .cu file under these folders (recursively) is its own translation unit

@@ -1,14 +1,18 @@
-// XLA FFI handlers of the Stage1 custom calls on the `cpu` platform. Each one checks what it is
+// XLA FFI handlers of the custom calls (Stage1, Stage2) on the `cpu` platform. Each one checks what it is
 // handed and calls into kernels/cpu; shapes were already validated at trace time in Python.
 #include "ffi/cpu_handlers.h"
 
+#include <optional>
 #include <string>
 
 #include "ffi/handler_util.h"
 #include "ffi/signatures.h"
 #include "kernels/common/mxfp8.h"
+#include "kernels/cpu/combine.h"
 #include "kernels/cpu/dispatch.h"
 #include "kernels/cpu/stage.h"
+#include "kernels/cpu/stage2.h"
+#include "kernels/cpu/window_table.h"
 
 namespace ffi = xla::ffi;
 
@@ -159,6 +163,57 @@ ffi::Error Gemm1Impl(ffi::AnyBuffer a_values, ffi::AnyBuffer a_scales,
   return ffi::Error::Success();
 }
 
+ffi::Error Gemm2Impl(ffi::AnyBuffer h, S32Vec expert_offsets, S32Vec expert_counts,
+                     ffi::AnyBuffer w_values, ffi::AnyBuffer w_scales,
+                     std::optional<ffi::AnyBuffer> h_scales, ffi::Result<ffi::AnyBuffer> y) {
+  JSM_RETURN_IF_ERROR(check_dtype(w_values, ffi::DataType::F8E4M3FN, "gemm2 weights"));
+  JSM_RETURN_IF_ERROR(check_dtype(*y, ffi::DataType::BF16, "gemm2 output"));
+  if (h_scales.has_value()) {
+    JSM_RETURN_IF_ERROR(check_dtype(h, ffi::DataType::F8E4M3FN, "gemm2 MX-fp8 rows"));
+    JSM_RETURN_IF_ERROR(check_dtype(*h_scales, ffi::DataType::U8, "gemm2 row scales"));
+  } else {
+    JSM_RETURN_IF_ERROR(check_dtype(h, ffi::DataType::BF16, "gemm2 bf16 rows"));
+  }
+  const auto wd = w_values.dimensions();  // [EL, H, I]
+  jsm::Gemm2Problem p{rows_of(h), wd[1], wd[2], wd[0]};
+  jsm::gemm2(h.untyped_data(),
+             h_scales.has_value() ? static_cast<const uint8_t*>(h_scales->untyped_data()) : nullptr,
+             expert_offsets.typed_data(), expert_counts.typed_data(),
+             static_cast<const uint8_t*>(w_values.untyped_data()),
+             static_cast<const uint8_t*>(w_scales.untyped_data()), p,
+             static_cast<uint16_t*>(y->untyped_data()));
+  return ffi::Error::Success();
+}
+
+ffi::Error CombineImpl(ffi::AnyBuffer rows, S32Vec src_rank, S32Vec token, S32Vec slot,
+                       F32Vec weight, S32Scalar rank, ffi::Result<ffi::AnyBuffer> y,
+                       jsm::DispatchOptions opt, int64_t topk) {
+  // engine local (and engine xla after its exchange): every row is this rank's; engine cpu runs
+  // the return protocol between the ranks
+  if (opt.engine != jsm::EngineId::kCpu && opt.engine != jsm::EngineId::kLocal)
+    return jsm::handler::wrong_engine("combine (cpu)", opt.engine, "engines cpu and local");
+  JSM_RETURN_IF_ERROR(check_dtype(rows, ffi::DataType::BF16, "combine rows"));
+  JSM_RETURN_IF_ERROR(check_dtype(*y, ffi::DataType::BF16, "combine output"));
+  const auto yd = y->dimensions();  // [T, H]
+  // the ranks: the window table's (engine cpu); 1 for a combine within the rank
+  const int64_t R = opt.engine == jsm::EngineId::kCpu ? jsm::cpu_windows::num_ranks(opt.window_set)
+                                                     : 1;
+  if (R == 0)
+    return ffi::Error::InvalidArgument("jax_sdma_moe combine (cpu): unknown or closed Runtime "
+                                       "(window table " + std::to_string(opt.window_set) + ")");
+  jsm::CombineGeometry g{R, yd[0], topk, yd[1], rows_of(rows)};
+  jsm::ReturnRows in{static_cast<const uint16_t*>(rows.untyped_data()), src_rank.typed_data(),
+                     token.typed_data(), slot.typed_data(), weight.typed_data()};
+  auto* out = static_cast<uint16_t*>(y->untyped_data());
+  std::string err = jsm::check_return_headers(g, in);
+  if (err.empty() && opt.engine == jsm::EngineId::kLocal) err = jsm::combine_local(g, in, out);
+  if (!err.empty()) return ffi::Error::InvalidArgument("jax_sdma_moe combine (cpu): " + err);
+  if (opt.engine == jsm::EngineId::kLocal) return ffi::Error::Success();
+  err = jsm::combine_cpu(*rank.typed_data(), g, opt, in, out);
+  if (!err.empty()) return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, err);
+  return ffi::Error::Success();
+}
+
 // stage1(check=True): the overflow count passes through, and a non-zero one fails the call.
 ffi::Error CheckOverflowImpl(S32Scalar overflow, S32Scalar rank, ffi::Result<S32Scalar> out,
                              int64_t cap) {
@@ -194,3 +249,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmDispatchCpu, DispatchImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmGemm1Cpu, Gemm1Impl,
                               jsm::sig::gemm1(ffi::Ffi::Bind()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmGemm2Cpu, Gemm2Impl,
+                              jsm::sig::gemm2(ffi::Ffi::Bind()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmCombineCpu, CombineImpl,
+                              jsm::sig::combine(ffi::Ffi::Bind()));

@@ -13,7 +13,7 @@
 
 #include "ffi/cpu_handlers.h"
 #include "kernels/common/options.h"
-#include "kernels/cpu/dispatch.h"
+#include "kernels/cpu/window_table.h"
 #ifdef JSM_WITH_CUDA
 #include "ffi/cuda_handlers.h"
 #include "kernels/cuda/ep/engine.h"
@@ -41,7 +41,8 @@ PYBIND11_MODULE(_jsm_ffi, m) {
   m.def("cpu_targets", [] {
     return targets({{"quantize", JsmQuantizeCpu}, {"route", JsmRouteCpu}, {"qpack", JsmQpackCpu},
                     {"pack", JsmPackCpu}, {"dispatch", JsmDispatchCpu}, {"gemm1", JsmGemm1Cpu},
-                    {"check_overflow", JsmCheckOverflowCpu}});
+                    {"check_overflow", JsmCheckOverflowCpu}, {"gemm2", JsmGemm2Cpu},
+                    {"combine", JsmCombineCpu}});
   });
 #ifdef JSM_WITH_CUDA
   m.def("cuda_targets", [] {

@@ -116,6 +116,26 @@ auto gemm1(B b) {
                          .RemainingRets());
 }
 
+// y [M_cap, H] bf16 <- h (bf16 [M_cap, I], or MX-fp8 values), expert_offsets, expert_counts,
+// w2 values [EL, H, I], w2 scales, then h scales when h is MX-fp8
+template <class B>
+auto gemm2(B b) {
+  return std::move(b)
+      .template Arg<Any>().template Arg<S32Vec>().template Arg<S32Vec>().template Arg<Any>()
+      .template Arg<Any>().template OptionalArg<Any>().template Ret<Any>();
+}
+
+// y [T, H] bf16 <- GEMM2's rows [M_cap, H] bf16, src_rank, token, slot, weight (the landed rows'
+// headers), rank; attributes `dispatch` (the engine and its protocol options) and `topk` (K)
+template <class B>
+auto combine(B b) {
+  return dispatch_attrs(std::move(b)
+                            .template Arg<Any>().template Arg<S32Vec>().template Arg<S32Vec>()
+                            .template Arg<S32Vec>().template Arg<F32Vec>().template Arg<S32Scalar>()
+                            .template Ret<Any>())
+      .template Attr<int64_t>("topk");
+}
+
 // overflow (passed through; the call fails if > 0) <- overflow, rank
 template <class B>
 auto check_overflow(B b) {

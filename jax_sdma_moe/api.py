@@ -1,4 +1,4 @@
-"""Public entry points: stage1, quantize, quantize_w1 (DESIGN.md §2)."""
+"""Public entry points: stage1, stage2, moe, quantize, quantize_w1, quantize_w2 (DESIGN.md §2)."""
 from __future__ import annotations
 
 from typing import Optional, Tuple, Union
@@ -9,8 +9,9 @@ from jax import lax
 
 from . import layout, primitives, reference
 from .layout import BLOCK
+from .engines.base import COMBINE_NOT_BUILT_ISSUE, Engine
 from .runtime import Runtime
-from .types import MXFP8, Landed, QuantizedW1, SendBuffer, Stage1Output
+from .types import MXFP8, Landed, QuantizedW1, QuantizedW2, SendBuffer, Stage1Output
 
 F8 = jnp.dtype(jnp.float8_e4m3fn)
 
@@ -36,6 +37,15 @@ def quantize_w1(w1: jax.Array, impl: str = "ffi") -> QuantizedW1:
   if w1.ndim != 3 or w1.shape[1] % 2:
     raise ValueError(f"quantize_w1: w1 must be [E, 2I, H], got shape {w1.shape}")
   return QuantizedW1(*quantize(w1, impl))
+
+
+def quantize_w2(w2: jax.Array, impl: str = "ffi") -> QuantizedW2:
+  """w2 [E, H, I] (the down projection) -> MX-fp8 weights along I: the same §3 quantisation as
+  quantize_w1, along the reduction axis of GEMM2."""
+  w2 = jnp.asarray(w2)
+  if w2.ndim != 3:
+    raise ValueError(f"quantize_w2: w2 must be [E, H, I], got shape {w2.shape}")
+  return QuantizedW2(*quantize(w2, impl))
 
 
 def _split_topk(topk) -> Tuple[jax.Array, Optional[jax.Array]]:
@@ -110,17 +120,11 @@ def stage1(x: Union[jax.Array, MXFP8], topk, w1q: QuantizedW1, *, runtime: Runti
   w1q: this rank's experts, QuantizedW1 [E/R, 2I, H] (shard quantize_w1(w1) over the axis).
   check: raise at run time if any row did not fit M_cap (overflow).
   """
-  if not isinstance(runtime, Runtime):
-    raise TypeError("stage1: runtime= must be a jax_sdma_moe.Runtime")
+  _check_runtime(runtime, "stage1")
   cfg, R, axis = runtime.config, runtime.num_ranks, runtime.axis_name
   ids, weights = _split_topk(topk)
   T, H, K, EL = _check_inputs(x, ids, weights, w1q)
-  try:
-    axis_size = lax.axis_size(axis)
-  except NameError as e:
-    raise ValueError(f"stage1 must be called inside jax.shard_map over axis {axis!r}") from e
-  if axis_size != R:
-    raise ValueError(f"stage1: axis {axis!r} has {axis_size} ranks but the Runtime has {R}")
+  _check_axis(runtime, "stage1")
   cap = layout.m_cap(R, T, K, EL, cfg.row_align, cfg.max_recv_rows)
   I = w1q.values.shape[1] // 2
   runtime.check_memory(f"T = {T} tokens of H = {H} with M_cap = {cap} landing rows",
@@ -140,4 +144,125 @@ def stage1(x: Union[jax.Array, MXFP8], topk, w1q: QuantizedW1, *, runtime: Runti
   overflow = primitives.check_overflow(landed.overflow, rank, cap) if check else landed.overflow
   return Stage1Output(h, landed.expert_offsets, landed.expert_counts, landed.src_rank,
                       landed.src_token, landed.topk_slot, landed.topk_weight, landed.num_rows,
-                      route.num_invalid, overflow)
+                      route.num_invalid, overflow, route.send_pos)
+
+
+def _check_runtime(runtime, what: str) -> None:
+  if not isinstance(runtime, Runtime):
+    raise TypeError(f"{what}: runtime= must be a jax_sdma_moe.Runtime")
+
+
+def _check_axis(runtime: Runtime, what: str) -> None:
+  """Raises ValueError unless called inside shard_map over the Runtime's axis, of its size."""
+  R, axis = runtime.num_ranks, runtime.axis_name
+  try:
+    axis_size = lax.axis_size(axis)
+  except NameError as e:
+    raise ValueError(f"{what} must be called inside jax.shard_map over axis {axis!r}") from e
+  if axis_size != R:
+    raise ValueError(f"{what}: axis {axis!r} has {axis_size} ranks but the Runtime has {R}")
+
+
+def _check_w2(w2q, EL: int, I: int, what: str, H: Optional[int] = None) -> int:
+  """w2q must be this rank's QuantizedW2 [EL, H, I] of the layer's sizes (H: any, if None).
+  Returns H."""
+  if not isinstance(w2q, QuantizedW2):
+    raise TypeError(f"{what}: w2q must be a QuantizedW2 (use jax_sdma_moe.quantize_w2)")
+  if w2q.values.dtype != F8 or w2q.scales.dtype != jnp.uint8:
+    raise TypeError(f"{what}: w2q must hold float8_e4m3fn values and uint8 scales")
+  shape = w2q.values.shape
+  if H is None and len(shape) == 3:
+    H = shape[1]
+  if shape != (EL, H, I) or w2q.scales.shape != (EL, H, I // BLOCK):
+    raise ValueError(f"{what}: w2q must be values [E/R={EL}, H={H}, I={I}] and scales "
+                     f"[{EL}, {H}, {I // BLOCK}] per shard, got {list(shape)}, "
+                     f"{list(w2q.scales.shape)}")
+  return H
+
+
+def _check_stage1_output(out1) -> Tuple[int, int, int, int, int]:
+  """(M_cap, I, EL, T, K) of a Stage1Output; TypeError/ValueError if it is not one jsm.stage1
+  made."""
+  if not isinstance(out1, Stage1Output):
+    raise TypeError(f"stage2: out1 must be the Stage1Output of jsm.stage1, got "
+                    f"{type(out1).__name__}")
+  if out1.send_pos is None or out1.send_pos.ndim != 2:
+    raise ValueError("stage2: out1.send_pos must be this rank's [T, K] send positions (a "
+                     "Stage1Output made by jsm.stage1 inside the same shard_map)")
+  h = out1.h
+  if isinstance(h, MXFP8):
+    if h.values.dtype != F8 or h.scales.dtype != jnp.uint8 or h.values.ndim != 2 or (
+        h.scales.shape != (h.values.shape[0], h.values.shape[1] // BLOCK)):
+      raise ValueError("stage2: an MX-fp8 out1.h must be values [M_cap, I] float8_e4m3fn and "
+                       "scales [M_cap, I/32] uint8")
+    shape = h.values.shape
+  else:
+    if getattr(h, "dtype", None) != jnp.bfloat16 or h.ndim != 2:
+      raise ValueError(f"stage2: out1.h must be bf16 [M_cap, I] or MXFP8, got "
+                       f"{getattr(h, 'dtype', type(h).__name__)}{list(getattr(h, 'shape', []))}")
+    shape = h.shape
+  M, I = shape
+  EL = out1.expert_offsets.shape[0]
+  fields = ("src_rank", "src_token", "topk_slot", "topk_weight")
+  if any(getattr(out1, f).shape != (M,) for f in fields):
+    raise ValueError(f"stage2: out1's {', '.join(fields)} must be [M_cap = {M}] like out1.h")
+  return M, I, EL, *out1.send_pos.shape
+
+
+def stage2_bytes(M: int, T: int, K: int, H: int) -> int:
+  """Device bytes one stage2 call holds per rank at most: GEMM2's rows, the return rows (two
+  parity slots of windows for engine cpu; engine xla's chunks take as much) and y."""
+  row = 2 * H + 12
+  return M * 2 * H + 3 * T * K * row + T * 2 * H
+
+
+def stage2(out1: Stage1Output, w2q: QuantizedW2, *, runtime: Runtime) -> jax.Array:
+  """Expert-parallel MoE Stage2 of this rank; call inside shard_map over runtime.axis_name, on the
+  Stage1Output of jsm.stage1 with the same Runtime.
+
+  GEMM2 of every landed row (q(h) along I, or Stage1's MX-fp8 bytes, times its expert's w2), then
+  the combine: each row back to its source rank, weighted by its top-k weight and summed per token
+  in float32 (DESIGN.md §3). Returns y [T, H] bf16 of this rank's tokens; a token with no routed
+  row gets exact zeros.
+  w2q: this rank's experts, QuantizedW2 [E/R, H, I] (shard quantize_w2(w2) over the axis).
+  """
+  _check_runtime(runtime, "stage2")
+  M, I, EL, T, K = _check_stage1_output(out1)
+  H = _check_w2(w2q, EL, I, "stage2")
+  if H % BLOCK:
+    raise ValueError(f"stage2: H = {H} must be a multiple of {BLOCK}")
+  _check_axis(runtime, "stage2")
+  _check_stage2_built(runtime)
+  runtime.check_memory(f"stage2 of T = {T} tokens of H = {H} from M_cap = {M} landing rows",
+                       stage2_bytes(M, T, K, H))
+  rows = primitives.gemm2(out1.h, out1.expert_offsets, out1.expert_counts, w2q)
+  return runtime.engine.combine(rows, out1, lax.axis_index(runtime.axis_name), num_tokens=T,
+                                topk=K)
+
+
+def _check_stage2_built(runtime: Runtime) -> None:
+  """Raises NotImplementedError (at trace time) where Stage2 is not built: the Runtime's engine
+  has no combine, or this build has no gemm2/combine kernels for the platform."""
+  engine = runtime.engine
+  if type(engine).combine is Engine.combine:
+    raise engine.combine_not_built()
+  missing = sorted({"gemm2", "combine"} - primitives.built_stages(runtime.platform))
+  if missing:
+    raise NotImplementedError(
+        f"stage2: this build of jax_sdma_moe has no {runtime.platform} kernels for "
+        f"{', '.join(missing)} ({COMBINE_NOT_BUILT_ISSUE}; built on cpu)")
+
+
+def moe(x: Union[jax.Array, MXFP8], topk, w1q: QuantizedW1, w2q: QuantizedW2, *,
+        runtime: Runtime, check: bool = False) -> jax.Array:
+  """The whole expert-parallel MoE layer of this rank: stage2(stage1(x, topk, w1q), w2q) in one
+  call inside shard_map over runtime.axis_name. Returns y [T, H] bf16:
+  y[t] = sum over the valid slots k of weights[t, k] * expert(ids[t, k])(x[t]) (DESIGN.md §3).
+  Arguments as stage1 and stage2; w2q [E/R, H, I] is checked against x and w1q first.
+  """
+  _check_runtime(runtime, "moe")
+  ids, weights = _split_topk(topk)
+  _, H, _, EL = _check_inputs(x, ids, weights, w1q)
+  _check_w2(w2q, EL, w1q.values.shape[1] // 2, "moe", H)
+  out1 = stage1(x, topk, w1q, runtime=runtime, check=check)
+  return stage2(out1, w2q, runtime=runtime)

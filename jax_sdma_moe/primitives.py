@@ -1,4 +1,4 @@
-"""One JAX primitive per Stage1 custom call (docs/DESIGN.md §5): abstract evaluation, and lowering
+"""One JAX primitive per custom call of Stage1 and Stage2 (docs/DESIGN.md §5): abstract evaluation, and lowering
 to the FFI target of the same stage through jax.ffi.ffi_lowering on every platform that has it.
 
 Static sizes travel as primitive parameters. The options a handler reads travel as one struct per
@@ -24,7 +24,7 @@ from .types import MXFP8, Landed, Route, SendBuffer
 F8 = jnp.float8_e4m3fn
 TARGET_PREFIX = "jsm_"
 # calls XLA must neither drop nor merge
-SIDE_EFFECTS = frozenset({"dispatch", "check_overflow", "dispatch_gemm1"})
+SIDE_EFFECTS = frozenset({"dispatch", "check_overflow", "dispatch_gemm1", "combine"})
 # stages with a second target, the same handler registered as safe for XLA's command buffers
 # (CUDA graphs); the primitive's `graph` parameter picks it at lowering
 GRAPH_TARGET = "_graph"
@@ -62,6 +62,20 @@ def registered_platforms() -> frozenset:
       jax.ffi.register_ffi_target(TARGET_PREFIX + stage, capsule, platform="ROCM")
     platforms.add("rocm")
   return frozenset(platforms)
+
+
+@functools.cache
+def built_stages(platform: str) -> frozenset:
+  """The custom calls this build has handlers for on `platform` ("cpu", "cuda", "rocm"), by stage
+  name (`gemm2`, `combine`, ...): a stage missing here fails at compile time on that platform."""
+  ext = extension()
+  if platform == "cpu":
+    return frozenset(ext.cpu_targets())
+  if platform == "cuda" and ext.has_cuda():
+    return frozenset(ext.cuda_targets())
+  if platform == "rocm" and ext.has_rocm():
+    return frozenset(ext.rocm_targets())
+  return frozenset()
 
 
 # --- options: one struct per concern, one FFI dictionary attribute each -----------------------
@@ -251,6 +265,38 @@ def dispatch_gemm1(send: SendBuffer, send_counts: jax.Array, rank: jax.Array, w1
                graph=bool(graph))
   landed = Landed(None, None, *outs[:8])
   return landed, _h(outs[8:], gemm1_options)
+
+
+# --- gemm2 (Stage2) --------------------------------------------------------------------------
+
+_gemm2_p = _make("gemm2", lambda h, offsets, counts, w_values, w_scales, *h_scales: (
+    _aval((h.shape[0], w_values.shape[1]), jnp.bfloat16),))
+
+
+def gemm2(h, expert_offsets: jax.Array, expert_counts: jax.Array, w2) -> jax.Array:
+  """GEMM2 of the landed rows: h [M_cap, I] (bf16, quantised along I in the call, or MXFP8),
+  w2 QuantizedW2 [EL, H, I] -> [M_cap, H] bf16, padding rows 0."""
+  values, scales = (h.values, (h.scales,)) if isinstance(h, MXFP8) else (h, ())
+  return _bind(_gemm2_p, values, expert_offsets, expert_counts, w2.values, w2.scales, *scales)[0]
+
+
+# --- combine (Stage2) ------------------------------------------------------------------------
+
+_combine_p = _make(
+    "combine", lambda rows, src_rank, token, slot, weight, rank, *, num_tokens, topk, options: (
+        _aval((num_tokens, rows.shape[1]), jnp.bfloat16),),
+    lambda p: {"dispatch": p["options"].ffi_attr(), "topk": np.int64(p["topk"])})
+
+
+def combine(rows: jax.Array, src_rank: jax.Array, token: jax.Array, slot: jax.Array,
+            weight: jax.Array, rank: jax.Array, *, num_tokens: int, topk: int,
+            options: DispatchOptions) -> jax.Array:
+  """Each row [M_cap, H] bf16 back to its source rank's token and slot (headers src_rank, token,
+  slot, weight [M_cap]), weighted and summed there: y [num_tokens, H] bf16. options.engine: "cpu"
+  (the return protocol through the Runtime's windows) or "local" (every row is this rank's)."""
+  return _bind(_combine_p, rows, src_rank.astype(jnp.int32), token.astype(jnp.int32),
+               slot.astype(jnp.int32), weight.astype(jnp.float32), rank.astype(jnp.int32),
+               num_tokens=int(num_tokens), topk=int(topk), options=options)[0]
 
 
 # --- check_overflow (stage1(check=True)) -----------------------------------------------------

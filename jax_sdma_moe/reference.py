@@ -1,7 +1,9 @@
-"""Pure-jnp reference of DESIGN.md §3 (MX-fp8, byte-exact) and §4 (Stage1 layout).
+"""Pure-jnp reference of DESIGN.md §3 (MX-fp8, byte-exact; the layer's arithmetic) and §4 (Stage1
+layout).
 
 Every kernel is checked against these functions. They favour being obviously right over speed:
-the whole Stage1 of all R ranks is computed on one device, with no collective.
+the whole Stage1 (and the whole layer, `moe`) of all R ranks is computed on one device, with no
+collective.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import numpy as np
 from jax import lax
 
 from .layout import BLOCK, landing_layout
-from .types import MXFP8, Landed, QuantizedW1, Route, SendBuffer, Stage1Output
+from .types import MXFP8, Landed, QuantizedW1, QuantizedW2, Route, SendBuffer, Stage1Output
 
 INV_448 = np.uint32(0x3B124925).view(np.float32)  # float32(1/448), DESIGN.md §3 step 2
 SCALE_NAN = 0xFF
@@ -233,7 +235,57 @@ def stage1(x, ids: jax.Array, weights: Optional[jax.Array], w1: QuantizedW1, *, 
       landed.values, landed.scales, landed.expert_offsets, landed.expert_counts, w_local,
       swiglu_limit)
   num_invalid = jnp.sum(ids >= E, axis=(1, 2)).astype(jnp.int32)
+  send_pos = jax.vmap(lambda i: route(i, R, EL).send_pos)(ids)
   out = Stage1Output(finish_h(h32, out_dtype), landed.expert_offsets, landed.expert_counts,
                      landed.src_rank, landed.src_token, landed.topk_slot, landed.topk_weight,
-                     landed.num_rows, num_invalid, landed.overflow)
+                     landed.num_rows, num_invalid, landed.overflow, send_pos)
   return (out, h32) if return_f32 else out
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage2 and the whole layer
+
+
+def gemm2_f32(h, expert_offsets: jax.Array, expert_counts: jax.Array,
+              w2: QuantizedW2) -> jax.Array:
+  """float32 GEMM2 of one rank [M_cap, H]: deq(q(h[row])) @ deq(w2[e]).T per landed row, 0
+  elsewhere. h: Stage1's rows, bf16 (q: quantised along I here) or MXFP8 (those bytes)."""
+  hq = h if isinstance(h, MXFP8) else quantize(h)
+  M = hq.values.shape[0]
+  a = dequantize(hq.values, hq.scales)
+  w = dequantize(w2.values, w2.scales)                         # [EL, H, I]
+  r = jnp.arange(M)
+  member = (r[None, :] >= expert_offsets[:, None]) & (
+      r[None, :] < (expert_offsets + expert_counts)[:, None])  # [EL, M]
+  a_e = jnp.where(member[:, :, None], a[None], 0.0)
+  return jnp.einsum("emi,ehi->mh", a_e, w, precision=lax.Precision.HIGHEST,
+                    preferred_element_type=jnp.float32)
+
+
+def combine_f32(rows: jax.Array, out1: Stage1Output, num_tokens: int) -> jax.Array:
+  """The combine of every rank in float32: rows [R dest, M_cap, H] float32 (GEMM2's), out1 with a
+  leading [R dest] axis -> y [R src, T, H] = the sum of topk_weight * row over the rows that came
+  from each (source rank, token). Padding rows (src_rank -1) add nothing."""
+  R, M, H = rows.shape
+  T = num_tokens
+  src, tok = out1.src_rank.reshape(-1), out1.src_token.reshape(-1)
+  at = jnp.where(src >= 0, src * T + tok, R * T)
+  weighted = rows.reshape(-1, H) * out1.topk_weight.reshape(-1, 1)
+  return jnp.zeros((R * T, H), jnp.float32).at[at].add(weighted, mode="drop").reshape(R, T, H)
+
+
+def moe(x, ids: jax.Array, weights: Optional[jax.Array], w1: QuantizedW1, w2: QuantizedW2, *,
+        row_align: int, cap: int, swiglu_limit: Optional[float] = None,
+        out_dtype: str = "bf16") -> jax.Array:
+  """The whole layer of all R ranks in float32 (DESIGN.md §3): x [R, T, H] bf16 (or MXFP8),
+  ids/weights [R, T, K], w1, w2 global [E, ...]. y [R, T, H] float32 =
+  sum over the slots k that landed of weights[t, k] * deq(q(h)) @ deq(w2[e]).T, where h is
+  Stage1's row (reference.stage1: bf16, or MX-fp8 with out_dtype="mxfp8"). Slots with no route,
+  an invalid id, or a row dropped by overflow add nothing."""
+  R, T, _ = ids.shape
+  EL = w2.values.shape[0] // R
+  out1 = stage1(x, ids, weights, w1, row_align=row_align, cap=cap, swiglu_limit=swiglu_limit,
+                out_dtype=out_dtype)
+  w_local = QuantizedW2(*(a.reshape(R, EL, *a.shape[1:]) for a in w2))
+  rows = jax.vmap(gemm2_f32)(out1.h, out1.expert_offsets, out1.expert_counts, w_local)
+  return combine_f32(rows, out1, T)

@@ -60,7 +60,8 @@ def device_memory_bytes(device) -> int:
 
 
 class Runtime:
-  """Create once, outside jit, for a mesh axis; pass to every stage1() call on that axis.
+  """Create once, outside jit, for a mesh axis; pass to every stage1(), stage2() and moe() call on
+  that axis.
 
   It picks the engine (`Stage1Config.engine`, or the mesh's default: engines.select) and holds
   it as `self.engine`, with the engine's state: the `cpu` engine's window table (two parity slots
@@ -131,13 +132,20 @@ class Runtime:
 
   def shard_w1(self, w1q):
     """Places QuantizedW1 [E, 2I, H] on the mesh, E/R experts per rank along the axis."""
+    return self._shard_experts(w1q, "shard_w1")
+
+  def shard_w2(self, w2q):
+    """Places QuantizedW2 [E, H, I] on the mesh, E/R experts per rank along the axis."""
+    return self._shard_experts(w2q, "shard_w2")
+
+  def _shard_experts(self, wq, what: str):
     from jax.sharding import NamedSharding, PartitionSpec
-    E = w1q.values.shape[0]
+    E = wq.values.shape[0]
     if E % self.num_ranks:
-      raise ValueError(f"shard_w1: E = {E} experts is not a multiple of the {self.num_ranks} ranks "
+      raise ValueError(f"{what}: E = {E} experts is not a multiple of the {self.num_ranks} ranks "
                        f"of axis {self.axis_name!r}")
     spec = NamedSharding(self.mesh, PartitionSpec(self.axis_name))
-    return jax.tree.map(lambda a: jax.device_put(a, spec), w1q)
+    return jax.tree.map(lambda a: jax.device_put(a, spec), wq)
 
   def close(self):
     """Frees the engine's state once every call already enqueued on the mesh has finished (a call

@@ -1,7 +1,7 @@
 """Pytrees of the public API."""
 from __future__ import annotations
 
-from typing import NamedTuple, Union
+from typing import NamedTuple, Optional, Union
 
 import jax
 
@@ -18,6 +18,12 @@ class QuantizedW1(NamedTuple):
   scales: jax.Array
 
 
+class QuantizedW2(NamedTuple):
+  """MX-fp8 w2 (the down projection): values [E, H, I], scales [E, H, I // 32] (blocks along I)."""
+  values: jax.Array
+  scales: jax.Array
+
+
 class Stage1Output(NamedTuple):
   """Stage1 result of one rank (DESIGN.md §2, §4); static capacity M_cap rows.
 
@@ -27,6 +33,8 @@ class Stage1Output(NamedTuple):
   src_rank, src_token, topk_slot: [M_cap] int32 (-1 on padding rows); topk_weight [M_cap] f32.
   num_rows: rows landed here. num_invalid: ids >= E among this rank's own tokens (no row made).
   overflow: rows routed here that did not fit M_cap (0 when dropless).
+  send_pos: [T, K] int32, this rank's own (token, slot)s: the row of each in its send buffer, -1
+    where it made none (no route, invalid id). Stage2 reads T and K from it.
   """
   h: Union[jax.Array, MXFP8]
   expert_offsets: jax.Array
@@ -38,6 +46,7 @@ class Stage1Output(NamedTuple):
   num_rows: jax.Array
   num_invalid: jax.Array
   overflow: jax.Array
+  send_pos: Optional[jax.Array] = None
 
 
 class SendBuffer(NamedTuple):

@@ -31,6 +31,7 @@ TARGETS = {"gfx942": 0x04C, "gfx950": 0x04F}  # EF_AMDGPU_MACH_AMDGCN_GFX942 / _
 EM_AMDGPU = 224
 HIP_SOURCES = ["kernels/rocm/stages.hip", "kernels/rocm/sdma/engine.hip"]
 CC_SOURCES = ["ffi/module.cc", "ffi/cpu_handlers.cc", "kernels/cpu/dispatch.cc",
+              "kernels/cpu/combine.cc", "kernels/cpu/window_table.cc",
               "ffi/rocm_handlers.cc", "kernels/rocm/sdma/windows.cc"]
 # the adapter of the FlyDSL kernels' exported C functions (kernels/rocm/gemm1.h, sdma/puts.h)
 FLYDSL_ADAPTER = "kernels/rocm/flydsl_calls.cc"

@@ -7,7 +7,10 @@ from typing import TYPE_CHECKING, ClassVar, Tuple
 import jax
 
 from .. import primitives
-from ..types import Landed, QuantizedW1, SendBuffer
+from ..types import Landed, QuantizedW1, SendBuffer, Stage1Output
+
+# Engines whose combine (Stage2) is built; the others raise combine_not_built() at trace time.
+COMBINE_NOT_BUILT_ISSUE = "issue 16: Stage2's GPU combine"
 
 if TYPE_CHECKING:  # pragma: no cover
   from ..runtime import Runtime
@@ -56,6 +59,19 @@ class Engine:
                          landed.expert_counts, w1q, options=gemm1_options(self.config))
     return landed, h
 
+  def combine(self, rows: jax.Array, out1: Stage1Output, rank: jax.Array, *, num_tokens: int,
+              topk: int) -> jax.Array:
+    """Stage2's return: each landed row's GEMM2 output (rows [M_cap, H] bf16, in out1's §4
+    layout) back to its source rank, token and slot, weighted by its top-k weight and summed per
+    token there in slot order: y [num_tokens, H] bf16 (DESIGN.md §3, §6)."""
+    raise self.combine_not_built()
+
+  @classmethod
+  def combine_not_built(cls) -> NotImplementedError:
+    return NotImplementedError(
+        f"engine {cls.name!r} has no combine yet, so jsm.stage2 and jsm.moe cannot run with it "
+        f"({COMBINE_NOT_BUILT_ISSUE}); engines with a combine: cpu, local, xla")
+
   def check(self) -> None:
     """Raises if a bounded wait of an earlier call ran out (engines with device-side waits)."""
 
@@ -85,15 +101,27 @@ class FfiDispatchEngine(Engine):
     """The handle of the window set this dispatch uses (0: none)."""
     return 0
 
-  def dispatch_options(self, send, send_counts, cap) -> primitives.DispatchOptions:
+  def combine_window_set(self) -> int:
+    """The handle of the window set the combine uses (0: none)."""
+    return 0
+
+  def protocol_options(self, window_set: int) -> primitives.DispatchOptions:
+    """The `dispatch` attribute of this engine's dispatch and combine calls."""
     cfg = self.config
     return primitives.DispatchOptions(
-        engine=self.name, window_set=self.window_set(send, send_counts, cap),
-        row_align=cfg.row_align, timeout_s=cfg.timeout_s,
+        engine=self.name, window_set=window_set, row_align=cfg.row_align, timeout_s=cfg.timeout_s,
         fault_absent_rank=cfg.fault_absent_rank, fault_delay_rank=cfg.fault_delay_rank,
         fault_delay_ms=cfg.fault_delay_ms)
+
+  def dispatch_options(self, send, send_counts, cap) -> primitives.DispatchOptions:
+    return self.protocol_options(self.window_set(send, send_counts, cap))
 
   def dispatch(self, send, send_counts, rank, *, cap):
     return primitives.dispatch(send, send_counts, rank, cap=cap,
                                options=self.dispatch_options(send, send_counts, cap),
                                graph=self.graph_capturable)
+
+  def combine(self, rows, out1, rank, *, num_tokens, topk):
+    return primitives.combine(rows, out1.src_rank, out1.src_token, out1.topk_slot,
+                              out1.topk_weight, rank, num_tokens=num_tokens, topk=topk,
+                              options=self.protocol_options(self.combine_window_set()))

@@ -30,6 +30,9 @@ class CpuEngine(FfiDispatchEngine):
       raise ValueError("Runtime is closed")
     return self._table
 
+  def combine_window_set(self):
+    return self.window_set(None, None, None)  # the same table: it holds every geometry's windows
+
   def close(self):
     if self._table is not None:
       self._ext.cpu_windows_destroy(self._table)

@@ -1,8 +1,10 @@
-"""Engine `xla`: the §4 landing through XLA collectives only (any platform; the portable path).
+"""Engine `xla`: the §4 landing and Stage2's return through XLA collectives (any platform; the
+portable path).
 
 On GPUs the rows travel with `ragged_all_to_all` (exact sizes); on CPU, where XLA does not
 implement it, an `all_to_all` of fixed-size chunks (one per destination, T*K rows each) emulates
 it. Either way each rank receives its rows source-major and places them in §4 order locally.
+Stage2's return (`combine`) is one `all_to_all` of fixed-size chunks on every platform.
 """
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .. import primitives
 from ..layout import landing_layout
-from ..types import Landed, SendBuffer
+from ..types import Landed, SendBuffer, Stage1Output
 from .base import Engine
 
 F8 = jnp.float8_e4m3fn
@@ -86,6 +89,41 @@ def dispatch(send: SendBuffer, send_counts: jax.Array, *, axis_name: str, num_ra
       lay.offsets, lay.counts, lay.counts.sum().astype(jnp.int32), dropped)
 
 
+def combine(rows: jax.Array, out1: Stage1Output, rank: jax.Array, *, axis_name: str,
+            num_ranks: int, num_tokens: int, topk: int, sum_options) -> jax.Array:
+  """Stage2's return through XLA collectives: each rank sends, to every source rank, the GEMM2
+  rows that came from it with their (token, slot, weight) headers in one fixed-size chunk (P rows:
+  no source can have more than min(M_cap, T*K) rows here), by one all_to_all; each source then
+  sums its rows per token with the `combine` custom call of one rank (sum_options: engine local),
+  so the bytes equal engine cpu's."""
+  R, T, K = num_ranks, num_tokens, topk
+  M, H = rows.shape
+  P = min(M, T * K)
+  if P == 0:  # no token or no landing row: nothing returns
+    return jnp.zeros((T, H), jnp.bfloat16)
+  src = out1.src_rank
+  onehot = src[:, None] == jnp.arange(R)[None, :]                       # [M, R]
+  j = jnp.sum((jnp.cumsum(onehot, 0) - 1) * onehot, axis=1)             # row's place in its chunk
+  at = jnp.where(src >= 0, src * P + j, R * P)
+  # which landed row goes to each chunk place (M: none), then one gather of whole rows
+  pick = jnp.full((R * P,), M, jnp.int32).at[at].set(jnp.arange(M, dtype=jnp.int32), mode="drop")
+  has = (pick < M)[:, None]
+  pick = jnp.minimum(pick, M - 1)
+  headers = jnp.stack([out1.src_token, out1.topk_slot,
+                       lax.bitcast_convert_type(out1.topk_weight, jnp.int32)], -1)
+  payload = jnp.concatenate([
+      jnp.where(has, lax.bitcast_convert_type(rows, jnp.uint8).reshape(M, 2 * H)[pick], 0),
+      lax.bitcast_convert_type(jnp.where(has, headers[pick], -1), jnp.uint8).reshape(R * P, 12)],
+      axis=-1)
+  recv = lax.all_to_all(payload.reshape(R, P, -1), axis_name, 0, 0).reshape(R * P, -1)
+  back = lax.bitcast_convert_type(recv[:, :2 * H].reshape(R * P, H, 2), jnp.bfloat16)
+  hdr = lax.bitcast_convert_type(recv[:, 2 * H:].reshape(R * P, 3, 4), jnp.int32)
+  mine = jnp.where(hdr[:, 0] >= 0, 0, -1)  # every returned row is this rank's
+  return primitives.combine(back, mine, hdr[:, 0], hdr[:, 1],
+                            lax.bitcast_convert_type(hdr[:, 2], jnp.float32), rank,
+                            num_tokens=T, topk=K, options=sum_options)
+
+
 class XlaEngine(Engine):
   name = "xla"
   platforms = ("cpu", "cuda", "rocm")
@@ -105,3 +143,10 @@ class XlaEngine(Engine):
     rt = self.runtime
     return dispatch(send, send_counts, axis_name=rt.axis_name, num_ranks=rt.num_ranks, cap=cap,
                     row_align=self.config.row_align, ragged=rt.platform != "cpu")
+
+  def combine(self, rows, out1, rank, *, num_tokens, topk):
+    rt, cfg = self.runtime, self.config
+    sum_options = primitives.DispatchOptions(engine="local", window_set=0,
+                                             row_align=cfg.row_align, timeout_s=cfg.timeout_s)
+    return combine(rows, out1, rank, axis_name=rt.axis_name, num_ranks=rt.num_ranks,
+                   num_tokens=num_tokens, topk=topk, sum_options=sum_options)

@@ -1,23 +1,16 @@
 #include "kernels/cpu/dispatch.h"
 
+#include <atomic>
 #include <chrono>
-#include <map>
-#include <mutex>
 #include <thread>
-#include <tuple>
+
+#include "kernels/cpu/window_table.h"
 
 namespace jsm {
 
 namespace {
 
-struct GeometryLess {
-  bool operator()(const DispatchGeometry& a, const DispatchGeometry& b) const {
-    return std::tie(a.R, a.EL, a.H, a.m_cap, a.send_rows) <
-           std::tie(b.R, b.EL, b.H, b.m_cap, b.send_rows);
-  }
-};
-
-using Clock = std::chrono::steady_clock;
+using cpu_windows::wait_until;
 
 struct Slot {
   std::vector<uint8_t> values, scales;
@@ -48,65 +41,14 @@ struct RankWindow {
   explicit RankWindow(const DispatchGeometry& g) : slots{Slot(g), Slot(g)} {}
 };
 
-using Windows = std::vector<std::unique_ptr<RankWindow>>;
-
-// One Runtime's windows: per dispatch geometry, one window per rank.
-struct WindowTable {
-  int64_t R;
-  std::mutex mu;
-  std::map<DispatchGeometry, std::shared_ptr<Windows>, GeometryLess> windows;
-};
-
-std::mutex g_tables_mu;
-std::map<int64_t, std::shared_ptr<WindowTable>> g_tables;  // id -> the table of one Runtime
-int64_t g_next_id = 1;
-
-std::shared_ptr<Windows> windows_for(int64_t table_id, const DispatchGeometry& g,
-                                     std::string* err) {
-  std::shared_ptr<WindowTable> rt;
-  {
-    std::lock_guard<std::mutex> lock(g_tables_mu);
-    auto it = g_tables.find(table_id);
-    if (it != g_tables.end()) rt = it->second;
-  }
-  if (!rt) {
-    *err = "unknown or closed Runtime (window table " + std::to_string(table_id) + ")";
-    return nullptr;
-  }
-  if (rt->R != g.R) {
-    *err = "Runtime has " + std::to_string(rt->R) + " ranks but the call has " +
-           std::to_string(g.R);
-    return nullptr;
-  }
-  std::lock_guard<std::mutex> lock(rt->mu);
-  auto& w = rt->windows[g];
-  if (!w) {
-    w = std::make_shared<Windows>();
-    for (int64_t r = 0; r < g.R; ++r) w->push_back(std::make_unique<RankWindow>(g));
-  }
-  return w;
-}
-
-// Spin, then sleep briefly: the R device threads may share very few cores.
-template <class Pred>
-bool wait_until(Pred ready, Clock::time_point deadline) {
-  for (int64_t i = 0;; ++i) {
-    if (ready()) return true;
-    if (Clock::now() > deadline) return ready();
-    if (i < 64)
-      std::this_thread::yield();
-    else
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
-  }
+// the window table's key of a dispatch geometry (kind tag 0; the combine's is 1)
+std::vector<int64_t> dispatch_key(const DispatchGeometry& g) {
+  return {0, g.R, g.EL, g.H, g.m_cap, g.send_rows};
 }
 
 std::string timeout_message(int64_t rank, int64_t peer, const std::string& what, uint64_t epoch,
                             double timeout_s) {
-  return "jax_sdma_moe dispatch (cpu engine): rank " + std::to_string(rank) + " timed out after " +
-         std::to_string(timeout_s) + " s waiting for " + what + " from peer rank " +
-         std::to_string(peer) + " (epoch " + std::to_string(epoch) +
-         "); the peer did not arrive. The Runtime's windows are now out of step: create a new "
-         "Runtime.";
+  return cpu_windows::timeout_message("dispatch", rank, peer, what, epoch, timeout_s);
 }
 
 void copy_rows(const Slot& from, int64_t src, const LandedView& to, int64_t dst, int64_t n,
@@ -149,20 +91,6 @@ void finish_landed(const DispatchGeometry& g, int64_t rows, int64_t dropped,
 
 }  // namespace
 
-int64_t cpu_windows_create(int64_t num_ranks) {
-  auto rt = std::make_shared<WindowTable>();
-  rt->R = num_ranks;
-  std::lock_guard<std::mutex> lock(g_tables_mu);
-  int64_t id = g_next_id++;
-  g_tables[id] = rt;
-  return id;
-}
-
-void cpu_windows_destroy(int64_t table_id) {
-  std::lock_guard<std::mutex> lock(g_tables_mu);
-  g_tables.erase(table_id);
-}
-
 std::string dispatch_cpu(int64_t rank, const DispatchGeometry& g, const DispatchOptions& opt,
                          const SendView& send, const LandedView& out) {
   const int64_t R = g.R, EL = g.EL, HS = g.H / kBlock;
@@ -173,12 +101,11 @@ std::string dispatch_cpu(int64_t rank, const DispatchGeometry& g, const Dispatch
   }
   if (rank == opt.fault_delay_rank)
     std::this_thread::sleep_for(std::chrono::milliseconds(opt.fault_delay_ms));
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                           std::chrono::duration<double>(opt.timeout_s));
+  const auto deadline = cpu_windows::deadline_after(opt.timeout_s);
   std::string err;
-  auto windows = windows_for(opt.window_set, g, &err);
+  auto windows = cpu_windows::windows_of<RankWindow>(opt.window_set, g, dispatch_key(g), &err);
   if (!windows) return "jax_sdma_moe dispatch (cpu engine): " + err;
-  Windows& W = *windows;
+  auto& W = *windows;
   const uint64_t epoch = ++W[rank]->epoch;
   const int parity = int(epoch & 1);
 

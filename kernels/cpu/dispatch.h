@@ -14,24 +14,16 @@
 // names rank, peer and segment on timeout.
 #pragma once
 
-#include <atomic>
 #include <cstdint>
-#include <memory>
 #include <string>
-#include <vector>
 
 #include "kernels/common/dispatch_io.h"
 #include "kernels/cpu/stage.h"
 
 namespace jsm {
 
-// The window tables of the cpu engine, one per Runtime (process-global: every executable of the
-// Runtime shares them), created by Runtime() in Python and freed by Runtime.close(). Each holds
-// the windows of every dispatch geometry the Runtime's calls use.
-int64_t cpu_windows_create(int64_t num_ranks);
-void cpu_windows_destroy(int64_t table_id);
-
-// Engine cpu: runs the protocol above for `rank` through the window table opt.window_set.
+// Engine cpu: runs the protocol above for `rank` through the window table opt.window_set
+// (kernels/cpu/window_table.h: one per Runtime, holding the windows of every geometry).
 // Returns "" on success, else an error message.
 std::string dispatch_cpu(int64_t rank, const DispatchGeometry& g, const DispatchOptions& opt,
                          const SendView& send, const LandedView& out);

@@ -10,6 +10,7 @@
 
 #include "kernels/common/layout.h"  // landing_layout, segment_puts
 #include "kernels/common/mxfp8.h"
+#include "kernels/cpu/grouped_gemm.h"  // grouped_mx_gemm, for_each_padding_row
 
 namespace jsm {
 
@@ -93,65 +94,28 @@ inline float swiglu(float g, float u, const Gemm1Problem& p) {
   return g / (1.0f + std::exp(-g)) * u;
 }
 
-// gemm1: h[row] = SwiGLU(deq(a[row]) @ deq(w[e]).T) for the landed rows of each local expert;
-// every other row is 0. Exact products of dequantised values, float32 accumulation. The output is
-// delivered a 32-column block at a time (one MX block) through `store(row, col0, h[32])`.
-// Blocking: w[e] is dequantised once into k-major panels of 32 gate + 32 up columns (a panel stays
-// in L2 while every row of the expert passes); MB rows x 64 columns of accumulators fill the
-// vector registers.
+// gemm1: h[row] = SwiGLU(deq(a[row]) @ deq(w[e]).T) for the landed rows of each local expert
+// (the grouped GEMM of grouped_gemm.h); every other row is 0. The output is delivered a 32-column
+// block at a time (one MX block) through `store(row, col0, h[32])`: each panel holds 32 gate
+// columns and the 32 up columns of the same outputs, so SwiGLU runs on one panel's accumulators.
 template <class Store>
 void gemm1(const uint8_t* a_values, const uint8_t* a_scales, const int32_t* offsets,
            const int32_t* counts, const uint8_t* w_values, const uint8_t* w_scales,
            const Gemm1Problem& p, Store store) {
-  constexpr int MB = 6, NB = kBlock, NP = 2 * NB;
-  const int64_t H = p.H, I = p.I, HS = H / kBlock, tiles = I / NB;
-  std::vector<float> panels(static_cast<size_t>(tiles * H * NP));  // [tile][k][gate 32 | up 32]
-  std::vector<float> row(static_cast<size_t>(H));
-  std::vector<float> a;
-  float h[NB];
-  for (int64_t e = 0; e < p.EL; ++e) {
-    const int64_t off = offsets[e], cnt = counts[e];
-    if (cnt == 0) continue;
-    for (int64_t n = 0; n < 2 * I; ++n) {
-      const int64_t wr = e * 2 * I + n;
-      dequantize_row(w_values + wr * H, w_scales + wr * HS, H, row.data());
-      const int64_t col = n % I, t = col / NB, c = col % NB + (n >= I ? NB : 0);
-      for (int64_t k = 0; k < H; ++k) panels[(t * H + k) * NP + c] = row[k];
-    }
-    a.assign(static_cast<size_t>((cnt + MB) * H), 0.0f);  // MB spare zero rows for the last block
-    for (int64_t m = 0; m < cnt; ++m)
-      dequantize_row(a_values + (off + m) * H, a_scales + (off + m) * HS, H, a.data() + m * H);
-    for (int64_t t = 0; t < tiles; ++t) {
-      const float* panel = panels.data() + t * H * NP;
-      for (int64_t m0 = 0; m0 < cnt; m0 += MB) {
-        float acc[MB][NP] = {};
-        const float* am = a.data() + m0 * H;
-        for (int64_t k = 0; k < H; ++k) {
-          const float* wk = panel + k * NP;
-          for (int m = 0; m < MB; ++m) {
-            const float av = am[m * H + k];
-            for (int n = 0; n < NP; ++n) acc[m][n] += av * wk[n];
-          }
-        }
-        const int mb = int(std::min<int64_t>(MB, cnt - m0));
-        for (int m = 0; m < mb; ++m) {
-          for (int n = 0; n < NB; ++n) h[n] = swiglu(acc[m][n], acc[m][NB + n], p);
-          store(off + m0 + m, t * NB, h);
-        }
-      }
-    }
-  }
-}
-
-// The rows gemm1 does not write: every row outside [offsets[e], offsets[e] + counts[e]).
-template <class F>
-void for_each_padding_row(const int32_t* offsets, const int32_t* counts, int64_t EL, int64_t m_cap,
-                          F f) {
-  std::vector<char> landed(static_cast<size_t>(m_cap), 0);
-  for (int64_t e = 0; e < EL; ++e)
-    std::fill(landed.begin() + offsets[e], landed.begin() + offsets[e] + counts[e], 1);
-  for (int64_t r = 0; r < m_cap; ++r)
-    if (!landed[r]) f(r);
+  const int64_t H = p.H, I = p.I, HS = H / kBlock;
+  float h[kBlock];
+  grouped_mx_gemm(
+      offsets, counts, w_values, w_scales, GroupedGemm{p.EL, 2 * I, H, I / kBlock},
+      [&](int64_t n, int64_t* panel, int64_t* column) {  // rows [0, I) gate, [I, 2I) up
+        const int64_t col = n % I;
+        *panel = col / kBlock;
+        *column = col % kBlock + (n >= I ? kBlock : 0);
+      },
+      [&](int64_t r, float* dst) { dequantize_row(a_values + r * H, a_scales + r * HS, H, dst); },
+      [&](int64_t r, int64_t panel, const float* acc) {
+        for (int n = 0; n < kBlock; ++n) h[n] = swiglu(acc[n], acc[kBlock + n], p);
+        store(r, panel * kBlock, h);
+      });
 }
 
 }  // namespace jsm

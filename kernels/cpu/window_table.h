@@ -1,0 +1,77 @@
+// The `cpu` engine's window tables: one per Runtime, process-global (every executable of the
+// Runtime shares it), created by Runtime() in Python and freed by Runtime.close(). A table holds
+// the windows of every geometry the Runtime's calls use — the dispatch's (kernels/cpu/dispatch.cc)
+// and the combine's (kernels/cpu/combine.cc) — one window per rank each, and what their protocols
+// share: bounded waits and the timeout message.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace jsm {
+
+int64_t cpu_windows_create(int64_t num_ranks);
+void cpu_windows_destroy(int64_t table_id);
+
+namespace cpu_windows {
+
+using Clock = std::chrono::steady_clock;
+
+// The windows of one geometry, one per rank.
+template <class Window>
+using RankWindows = std::vector<std::unique_ptr<Window>>;
+
+// The windows of table `table_id` under `key` (a kind tag, then the geometry's sizes), made by
+// `make` at the first call with that key. nullptr, with *err set, if the table is unknown or has
+// another number of ranks than `num_ranks`.
+std::shared_ptr<void> find_or_make(int64_t table_id, int64_t num_ranks,
+                                   const std::vector<int64_t>& key,
+                                   const std::function<std::shared_ptr<void>()>& make,
+                                   std::string* err);
+
+// The number of ranks of table `table_id`; 0 if there is no such table (unknown or closed).
+int64_t num_ranks(int64_t table_id);
+
+// The R windows of type Window (constructible from the geometry g, which has a member R) that
+// table `table_id` holds under `key`.
+template <class Window, class Geometry>
+std::shared_ptr<RankWindows<Window>> windows_of(int64_t table_id, const Geometry& g,
+                                                const std::vector<int64_t>& key,
+                                                std::string* err) {
+  auto made = find_or_make(table_id, g.R, key, [&] {
+    auto w = std::make_shared<RankWindows<Window>>();
+    for (int64_t r = 0; r < g.R; ++r) w->push_back(std::make_unique<Window>(g));
+    return std::shared_ptr<void>(w);
+  }, err);
+  return std::static_pointer_cast<RankWindows<Window>>(made);
+}
+
+inline Clock::time_point deadline_after(double seconds) {
+  return Clock::now() +
+         std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
+
+// Spin, then sleep briefly: the R device threads may share very few cores.
+template <class Pred>
+bool wait_until(Pred ready, Clock::time_point deadline) {
+  for (int64_t i = 0;; ++i) {
+    if (ready()) return true;
+    if (Clock::now() > deadline) return ready();
+    if (i < 64)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+// The error of a wait that ran out: names the call, rank, peer, what was awaited and the epoch.
+std::string timeout_message(const char* call, int64_t rank, int64_t peer, const std::string& what,
+                            uint64_t epoch, double timeout_s);
+
+}  // namespace cpu_windows
+}  // namespace jsm
