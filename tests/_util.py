@@ -84,9 +84,9 @@ def reference(x, ids, weights, w1q, R, cfg, T, cap=None):
 
 
 LAYOUT_FIELDS = ("expert_offsets", "expert_counts", "src_rank", "src_token", "topk_slot",
-                 "topk_weight", "num_rows", "num_invalid", "overflow")
+                 "topk_weight", "num_rows", "num_invalid", "overflow", "send_pos")
 # the layout fields a Landed (reference.dispatch) has too: a Stage1Output's against it
-LANDED_FIELDS = tuple(f for f in LAYOUT_FIELDS if f != "num_invalid")
+LANDED_FIELDS = tuple(f for f in LAYOUT_FIELDS if f not in ("num_invalid", "send_pos"))
 
 
 def as_bytes(a):
