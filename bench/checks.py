@@ -67,17 +67,40 @@ def sampled_reference(shape: jsm.MoEShape, row_align: int, cap: int, inputs, w1q
   blocks, checked = {}, []
   for rank in range(lay.expert_counts.shape[0]):
     offsets, counts = lay.expert_offsets[rank], lay.expert_counts[rank]
-    nonempty = np.flatnonzero(counts)
-    if not len(nonempty):
+    experts = pick_experts(counts, rng)
+    if not experts:
       continue
-    pick = {nonempty[0], nonempty[-1], int(np.argmax(counts))}
-    pick |= set(rng.choice(nonempty, min(RANDOM_EXPERTS, len(nonempty)), replace=False).tolist())
-    experts = sorted(int(e) for e in pick)
     h32 = reference.sampled_h32(landed.values, landed.scales, offsets, counts, experts, w1q, rank,
                                 shape.swiglu_limit, host=global_to_host)
     blocks.update({(rank, e): h for e, h in h32.items()})
     checked += [(rank, e) for e in experts]
   return Reference(lay, blocks), checked
+
+
+def pick_experts(counts: np.ndarray, rng: np.random.Generator) -> list:
+  """The experts whose h a --gpu check computes: the first, last and largest non-empty ones and
+  RANDOM_EXPERTS random non-empty ones (none if all are empty)."""
+  nonempty = np.flatnonzero(counts)
+  if not len(nonempty):
+    return []
+  pick = {nonempty[0], nonempty[-1], int(np.argmax(counts))}
+  pick |= set(rng.choice(nonempty, min(RANDOM_EXPERTS, len(nonempty)), replace=False).tolist())
+  return sorted(int(e) for e in pick)
+
+
+def check_gemm1(h: np.ndarray, landed: tuple, w1q, swiglu_limit, rng: np.random.Generator
+                ) -> list:
+  """gemm1 alone on one device (landed = (values, scales, offsets, counts), w1q [EL, 2I, H]): h
+  [M_cap, I] of the picked experts within §3 of the float32 reference. Returns those experts."""
+  values, scales, offsets, counts = landed
+  offsets, counts = np.asarray(offsets), np.asarray(counts)
+  experts = pick_experts(counts, rng)
+  want = reference.sampled_h32(values[None], scales[None], offsets, counts, experts, w1q, 0,
+                               swiglu_limit)
+  for e in experts:
+    assert_close(f"gemm1 h of expert {e}",
+                 np.asarray(h[offsets[e]:offsets[e] + counts[e]], np.float32), want[e])
+  return experts
 
 
 def assert_close(what: str, out: np.ndarray, ref: np.ndarray) -> None:

@@ -16,7 +16,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_sdma_moe as jsm
-from jax_sdma_moe import reference
+from jax_sdma_moe import layout, reference
 
 AXIS = "ep"
 W1_SCALE = 0.05  # w1 ~ N(0, 1) * W1_SCALE; x ~ N(0, 1)
@@ -49,6 +49,12 @@ def native_w1(w1q: jsm.QuantizedW1) -> jax.Array:
   return w.reshape(*lead, H, two_i)
 
 
+def random_w1q(key, E: int, I: int, H: int) -> jsm.QuantizedW1:
+  """w1 [E, 2I, H] ~ N(0, 1) * W1_SCALE drawn in bf16, quantised to MX-fp8 (inside a caller's
+  jit, the bf16 copy is freed when it returns)."""
+  return jsm.quantize_w1(jax.random.normal(key, (E, 2 * I, H), jnp.bfloat16) * W1_SCALE)
+
+
 def device_weights(mesh, shape: jsm.MoEShape, key) -> tuple:
   """The ranks' weights made on their devices: w1q [R, E/R, 2I, H] (w1 drawn in bf16 and quantised
   inside one jit, so the bf16 copy is freed when it returns) and the JAX-native bf16 weights
@@ -59,8 +65,7 @@ def device_weights(mesh, shape: jsm.MoEShape, key) -> tuple:
 
   @functools.partial(jax.jit, out_shardings=on_mesh)
   def make_w1q(key):
-    w1 = jax.random.normal(key, (E, 2 * I, H), jnp.bfloat16) * W1_SCALE
-    return jax.tree.map(lambda a: a.reshape(R, E // R, *a.shape[1:]), jsm.quantize_w1(w1))
+    return jax.tree.map(lambda a: a.reshape(R, E // R, *a.shape[1:]), random_w1q(key, E, I, H))
 
   w1q = jax.block_until_ready(make_w1q(key))
   return w1q, jax.block_until_ready(jax.jit(native_w1, out_shardings=on_mesh)(w1q))
@@ -104,3 +109,39 @@ def host_inputs_on_mesh(mesh, host: HostInputs, w1q: jsm.QuantizedW1) -> tuple:
   per_rank_w1q = jax.tree.map(lambda a: a.reshape(R, a.shape[0] // R, *a.shape[1:]), w1q)
   return (((put(host.x), put(host.ids), put(host.weights)), jax.tree.map(put, per_rank_w1q)),
           ((put(native_x(jnp.asarray(host.x))), put(host.ids)), put(native_w1(per_rank_w1q))))
+
+
+# ------------------------------------------------------------------------------------------------
+# gemm1 alone (--gemm1-rows): one device, rows spread evenly over some local experts
+
+STUDY_RANKS = 2  # --experts defaults to one of 2 ranks' local experts, E / STUDY_RANKS
+
+
+def study_rows(entry: str, shape: jsm.MoEShape) -> int:
+  """A --gemm1-rows entry: rows ("32768"), or "TxR": T tokens per rank on R ranks' rows, T*R*K."""
+  tokens, sep, ranks = entry.partition("x")
+  return int(tokens) * int(ranks) * shape.topk if sep else int(entry)
+
+
+def balanced_counts(rows: int, experts: int) -> np.ndarray:
+  """rows spread over the experts as evenly as they go (the first ones get one more)."""
+  base, extra = divmod(rows, experts)
+  return (base + (np.arange(experts) < extra)).astype(np.int32)
+
+
+def gemm1_inputs(shape: jsm.MoEShape, counts: np.ndarray, row_align: int, key) -> tuple:
+  """gemm1's inputs on the default device, as a dispatch lands them (§4): (values [M_cap, H] fp8,
+  scales [M_cap, H/32], expert_offsets, expert_counts) with counts[e] rows of random MX-fp8 tokens
+  per local expert at its aligned offset (M_cap: their aligned total), and w1q [EL, 2I, H]."""
+  H, I = shape.hidden, shape.intermediate
+  aligned = -(-counts // row_align) * row_align
+  cap = max(row_align, int(aligned.sum()))
+  lay = layout.landing_layout(jnp.asarray(counts), row_align, cap)
+
+  @jax.jit
+  def make(key):
+    kx, kw = jax.random.split(key)
+    xq = jsm.quantize(jax.random.normal(kx, (cap, H), jnp.bfloat16))
+    return (xq.values, xq.scales, lay.offsets, lay.counts), random_w1q(kw, len(counts), I, H)
+
+  return jax.block_until_ready(make(key))

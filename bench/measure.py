@@ -4,7 +4,10 @@ timing), then timed; one result row per path.
 host_config: CPU mode (R host devices, or one per process): inputs made on the host, every path
 checked against the full reference.stage1, which is timed too (native:jnp-reference).
 device_config: --gpu: inputs made on the devices, the sampled check, and XLA's dense bf16 matmul of
-one rank's gemm1 FLOPs as this configuration's matmul ceiling."""
+one rank's gemm1 FLOPs as this configuration's matmul ceiling; then gemm1's peers (gemm_peers.py)
+on rank 0's rows per expert.
+gemm1_config: --gemm1-rows: gemm1 alone on one device at given rows, checked, timed, and its
+peers on the same rows per expert."""
 from __future__ import annotations
 
 import contextlib
@@ -16,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_sdma_moe as jsm
-from jax_sdma_moe import layout, reference
+from jax_sdma_moe import layout, primitives, reference
 
-from bench import inputs
-from bench.checks import Reference, full_reference, sampled_reference
+from bench import gemm_peers, inputs
+from bench.checks import Reference, check_gemm1, full_reference, sampled_reference
 from bench.natives import NativeOut, native_paths
 from bench.paths import STAGES, BenchPath, engine_paths, engine_stats
 from bench.processes import (RUN_FAILURES, CheckError, all_processes, local_ranks, progress,
@@ -85,9 +88,13 @@ def time_path(c: Checked, iters: int, warmup: int) -> dict:
 
 def failed_row(path: BenchPath, error: Exception) -> dict:
   """The row of a path that failed at run time: why, in a line."""
-  lines = str(error).strip().splitlines() or [type(error).__name__]
   return {"path": path.name, "kind": path.kind, "baseline": path.baseline,
-          "capacity": path.capacity, "failed": lines[0][:100], "error": str(error)[:2000]}
+          "capacity": path.capacity, **why_failed(error)}
+
+
+def why_failed(error: Exception) -> dict:
+  lines = str(error).strip().splitlines() or [type(error).__name__]
+  return {"failed": lines[0][:100], "error": str(error)[:2000]}
 
 
 def check_and_time(args, paths: Sequence[BenchPath], ref: Reference, shape: jsm.MoEShape,
@@ -213,5 +220,54 @@ def device_config(args, skip: set, mesh, shape: jsm.MoEShape, T: int, weights: t
 
   rows = run_paths(args, skip, mesh, shape, T, cap, ref, engines, (engine_inputs, w1q),
                    (native_inputs, w_native), "bf16", config_ceilings, tag)
+  progress(f"{tag} gemm1 peers on rank 0's rows per expert")
+  peers = measure_peers(args, mesh.devices.flat[0], shape, ref.layout.expert_counts[0], ceilings)
   return finish_rows(rows, shape, T, R, cap, rows_total, checked_experts=experts,
-                     dense_bf16_gflops=dense["gflops"])
+                     dense_bf16_gflops=dense["gflops"], gemm1_peers=peers)
+
+
+def measure_peers(args, device, shape: jsm.MoEShape, counts, ceilings: dict) -> dict:
+  """gemm1's peers on `counts` rows per local expert (gemm_peers.measure); in a multi-process run
+  only the floor (each process would measure its own GPU)."""
+  problem = gemm_peers.Problem(shape.hidden, 2 * shape.intermediate,
+                               tuple(int(c) for c in counts))
+  if jax.process_count() > 1:
+    skip, why = gemm_peers.PEERS, "multi-process run (a GPU per process)"
+  else:
+    skip, why = gemm_peers.parse_skip(args.skip_peers), "--skip-peers"
+  return gemm_peers.measure(problem, device, ceilings["copy_gbps"], args.iters, args.warmup, skip,
+                            args.seed, why)
+
+
+def gemm1_config(args, device, shape: jsm.MoEShape, rows: int, experts: int, ceilings: dict,
+                 key, rng: np.random.Generator) -> dict:
+  """--gemm1-rows, on `device` (the default device): gemm1 alone (the call the gemm1 stage of
+  engine local makes) on `rows` rows spread evenly over `experts` local experts, checked on a
+  sample of experts against a float32 reference, timed, then its peers on the same rows per
+  expert; one result row."""
+  tag = f"[{shape.name} rows={rows} experts={experts}]"
+  counts = inputs.balanced_counts(rows, experts)
+  flops = 2 * rows * shape.hidden * 2 * shape.intermediate
+  row = {"path": "gemm1 alone", "kind": "gemm1", "shape": shape.name, "tokens": None,
+         "rows_total": rows, "experts": experts, "gemm1_flops": flops}
+  progress(f"{tag} making inputs")
+  landed, w1q = inputs.gemm1_inputs(shape, counts, args.row_align, key)
+  options = primitives.Gemm1Options(swiglu_limit=shape.swiglu_limit, out_dtype="bf16")
+  fn = jax.jit(lambda landed, w: primitives.gemm1(*landed, w, options=options))
+  try:
+    progress(f"{tag} gemm1: checking")
+    h, first_s = first_call(fn, landed, w1q)
+    row["checked_experts"] = check_gemm1(h, landed, w1q, shape.swiglu_limit, rng)
+    del h
+    progress(f"{tag} gemm1: timing")
+    t = time_calls(fn, (landed, w1q), args.iters, args.warmup)
+    row["gemm1"] = {**t, "first_call_s": first_s,
+                    "tflops": flops / (t["pipelined_ms"] * 1e-3) / 1e12}
+  except RUN_FAILURES as e:
+    row.update(why_failed(e))
+    progress(f"{tag} gemm1: FAILED: {row['failed']}")
+  del landed, w1q
+  jax.clear_caches()
+  progress(f"{tag} gemm1 peers")
+  row["gemm1_peers"] = measure_peers(args, device, shape, counts, ceilings)
+  return row

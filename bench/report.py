@@ -22,7 +22,7 @@ import numpy as np
 
 import jax_sdma_moe as jsm
 
-from bench.tables import format_single_device_table, format_table
+from bench.tables import format_gemm1_table, format_single_device_table, format_table
 
 DENSE_LABEL = "XLA dense bf16 matmul, same FLOPs"
 
@@ -38,7 +38,7 @@ def write_plot(rows: Sequence[dict], path: Path, dense: Optional[Sequence[dict]]
     import matplotlib.ticker
   except ImportError:
     return "matplotlib is not importable: no plot written (pip install matplotlib)"
-  ok = [r for r in rows if "failed" not in r]
+  ok = [r for r in rows if "failed" not in r and "stage1" in r]  # gemm1-alone rows: no plot
   if not ok:
     return "no measured rows: no plot written"
   shapes = sorted({r["shape"] for r in ok})
@@ -126,16 +126,18 @@ class Report:
 def merge_reports(args) -> None:
   """--merge: the rows of several runs' JSON files as one report, each row as it was measured."""
   runs = [(f, json.loads(Path(f).read_text())) for f in args.merge]
-  modes = {(d["meta"]["args"].get("gpu"), d["meta"]["launch"], d["meta"]["devices"],
-            d["meta"]["device_kind"]) for _, d in runs}
+  modes = {(d["meta"]["args"].get("gpu"), bool(d["meta"]["args"].get("gemm1_rows")),
+            d["meta"]["launch"], d["meta"]["devices"], d["meta"]["device_kind"]) for _, d in runs}
   if len(modes) > 1:
     raise SystemExit(f"--merge: the files come from different modes {sorted(map(str, modes))}")
   rows, dense = {}, {}
   for f, d in runs:
-    rows.update({(r["shape"], r["tokens"], r["path"]): {**r, "source": Path(f).name}
+    rows.update({(r["shape"], r["tokens"], r.get("rows_total") if r["kind"] == "gemm1" else None,
+                  r.get("experts"), r["path"]): {**r, "source": Path(f).name}
                  for r in d["results"]})
     dense.update({(r["shape"], r["tokens"]): r for r in d["ceilings"].get("dense_bf16", [])})
-  rows = sorted(rows.values(), key=lambda r: (r["shape"], r["tokens"]))  # stable: path order kept
+  rows = sorted(rows.values(), key=lambda r: (r["shape"], r["tokens"] or 0, r.get("rows_total")
+                                             if r["kind"] == "gemm1" else 0))  # stable
   first = runs[0][1]
   ceilings = {**first["ceilings"], "dense_bf16": list(dense.values())}
   sources = [f"{Path(f).name} ({d['meta']['date']}, {len(d['results'])} rows, ceilings "
@@ -143,10 +145,13 @@ def merge_reports(args) -> None:
   notes = list(first["notes"]) + ["merged from " + "; ".join(sources) + "; the ceilings line is "
                                   "the first file's"]
   gpu_mode, stem = first["meta"]["args"].get("gpu"), args.tag or "merged"
-  if gpu_mode:
+  if first["meta"]["args"].get("gemm1_rows"):
+    gpu_mode, text = False, format_gemm1_table(rows, ceilings, notes)  # no plot
+  elif gpu_mode:
     skipped = set.intersection(*({s for s in (d["meta"]["args"].get("skip_native") or "").split(",")
                                   if s} for _, d in runs))  # skipped in every run
-    text = format_single_device_table(rows, ceilings, skipped, notes)
+    text = (format_single_device_table(rows, ceilings, skipped, notes) + "\n"
+            + format_gemm1_table(rows, ceilings))
   else:
     text = format_table(rows, ceilings, notes)
   report = Report(args, stem, {**first["meta"], "merged_from": sources}, ceilings, notes)

@@ -24,11 +24,16 @@ Modes:
                  the same inputs from the same seed, checks its own ranks (a failure on any fails
                  all) and times every call (a call's time: the max over processes); process 0
                  prints and writes. CPU: engine xla, gloo collectives; --gpu: engines ce, sm.
+  --gemm1-rows   --gpu, one device: gemm1 alone at given rows over --experts local experts, checked,
+                 timed, with its peers (torch's bf16 and fp8 grouped GEMMs, Triton's exact-MX
+                 dot_scaled, the weight-streaming floor; bench/gemm_peers.py), instead of Stage1.
+                 A Stage1 --gpu run measures the same peers on each configuration's rows.
   --merge        runs nothing: one report from earlier runs' JSON files of one mode.
 
 The code: bench/inputs.py (inputs and weights), paths.py (engine paths), natives.py (JAX-native
 baselines), checks.py (references and checks), timing.py (protocol, ceilings), measure.py (one
-configuration), tables.py and report.py (output), processes.py (across processes).
+configuration), gemm_peers.py (gemm1's peers), tables.py and report.py (output), processes.py
+(across processes).
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ USAGE = """Examples (from the repository root):
   python bench/run.py --gpu --platform cpu --shapes small --tokens 32,128 --iters 3 --warmup 1
   python bench/run.py --gpu --skip-native ragged   # ragged_dot is slow / out of memory on GPU
   python bench/run.py --gpu --devices 2 --shapes dsv3
+  python bench/run.py --gpu --gemm1-rows 128x2,32768,65536 --experts 128   # issue 13's table
   mpirun --allow-run-as-root -n 2 python bench/run.py --gpu --shapes dsv3   # one GPU per process
   mpirun --allow-run-as-root -n 2 python bench/run.py --tokens 32,128   # 2 processes, 1 rank each
   python bench/run.py --coordinator localhost:12345 --num-processes 2 --process-id 0 & \\
@@ -107,6 +113,15 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--platform", default="gpu", choices=("gpu", "cpu"),
                  help="--gpu only: the device to run on (cpu: the same code on CPU devices, to "
                       "try the mode without a GPU; default: %(default)s)")
+  p.add_argument("--skip-peers", default="", help="--gpu: comma list of gemm1's peers not to "
+                 "run (bench/gemm_peers.py): torch-bf16, torch-fp8, triton-mx, torch-dense, or all")
+  p.add_argument("--gemm1-rows", metavar="ROWS", help="--gpu, the first device: instead of "
+                 "Stage1, gemm1 alone and its peers at each comma-listed number of rows, spread "
+                 "evenly over "
+                 "--experts local experts; an entry TxR is T tokens/rank on R ranks' rows, T*R*K "
+                 "(e.g. 128x2,32768,65536)")
+  p.add_argument("--experts", type=int, help="--gemm1-rows: local experts (default: E/2 of each "
+                 "shape, one of 2 ranks')")
   p.add_argument("--merge", nargs="+", metavar="JSON",
                  help="run nothing: one table, JSON and PNG (under --out, named --tag) from "
                       "earlier runs' JSON files of one mode, e.g. a run cut short by a time limit "
@@ -147,6 +162,8 @@ def configure_platform(args) -> None:
     force_host_devices(1)
   elif not args.gpu:
     force_host_devices(args.devices or DEFAULT_DEVICES)
+  elif args.platform == "cpu":  # --gpu --platform cpu --devices R: R virtual CPU devices
+    force_host_devices(args.devices or 1)
 
 
 def force_host_devices(n: int) -> None:
@@ -172,8 +189,8 @@ import numpy as np  # noqa: E402
 
 import jax_sdma_moe as jsm  # noqa: E402
 
-from bench import inputs, tables, timing  # noqa: E402
-from bench.measure import device_config, host_config  # noqa: E402
+from bench import gemm_peers, inputs, tables, timing  # noqa: E402
+from bench.measure import device_config, gemm1_config, host_config  # noqa: E402
 from bench.processes import CheckError, progress  # noqa: E402
 from bench.report import Report, merge_reports, metadata  # noqa: E402
 
@@ -224,13 +241,19 @@ def main(args) -> None:
                        DEFAULT_GPU_MULTI_PROCESS_ENGINES)  # Runtime refuses xla across processes
   engines = comma_list(args.engines or default_engines)
   skip = skipped_natives(args)  # rejects unknown names before anything runs
+  gemm_peers.parse_skip(args.skip_peers)
+  if args.gemm1_rows and (not args.gpu or launch != "single"):
+    raise SystemExit("--gemm1-rows: --gpu in one process (it runs on the first device)")
   start_processes(args, launch)
   try:
-    rows = (device_main if args.gpu else host_main)(args, skip, shapes, tokens, engines, launch)
+    if args.gemm1_rows:
+      rows = gemm1_main(args, shapes)
+    else:
+      rows = (device_main if args.gpu else host_main)(args, skip, shapes, tokens, engines, launch)
   except CheckError as e:
     raise SystemExit(f"CHECK FAILED (aborted before timing it; results so far in --out): {e}")
-  if any("failed" in r for r in rows if r["kind"] == "engine"):
-    raise SystemExit("an engine path failed at run time (see the table)")
+  if any("failed" in r for r in rows if r["kind"] in ("engine", "gemm1")):
+    raise SystemExit("an engine path or gemm1 failed at run time (see the table)")
 
 
 def multi_process_tag(launch: str) -> str:
@@ -276,14 +299,49 @@ def host_main(args, skip, shapes, tokens, engines, launch: str) -> list:
   return rows
 
 
-def device_main(args, skip, shapes, tokens, engines, launch: str) -> list:
-  """--gpu: R = --devices (default 1) devices of --platform in this process, or (multi-process)
-  one device per process; everything made and measured on the devices."""
+def platform_devices(args) -> list:
   try:
-    devices = jax.devices(args.platform)
+    return jax.devices(args.platform)
   except RuntimeError as e:
     raise SystemExit(f"--gpu: no {args.platform} device ({e}); --platform cpu runs the same code "
                      "on the CPU") from None
+
+
+def measure_ceilings(device) -> dict:
+  """--gpu: the device's ceilings. A 2 GiB copy and an 8192^3 matmul make an H200's; a CPU gets a
+  smaller copy and matmul so that trying the mode stays quick."""
+  progress(f"measuring ceilings on {device.device_kind}")
+  on_gpu = device.platform != "cpu"
+  return timing.measure_device_ceilings(device, (2 << 30) if on_gpu else (256 << 20),
+                                        8192 if on_gpu else 1024)
+
+
+def gemm1_main(args, shapes) -> list:
+  """--gemm1-rows: gemm1 alone and its peers on the first device of --platform, per shape and
+  rows entry, over --experts local experts."""
+  device = platform_devices(args)[0]
+  key, rng = jax.random.key(args.seed), np.random.default_rng(args.seed)
+  rows = []
+  with jax.default_device(device):
+    ceilings = measure_ceilings(device)
+    tag = "gemm1" + ("-cpu" if device.platform == "cpu" else "")
+    report = Report(args, args.tag or tag, metadata(args, [], [device]), ceilings,
+                    tables.GEMM1_NOTES)
+    for s, name in enumerate(shapes):
+      shape = jsm.SHAPES[name]
+      experts = args.experts or shape.num_experts // inputs.STUDY_RANKS
+      for i, entry in enumerate(comma_list(args.gemm1_rows)):
+        rows.append(gemm1_config(args, device, shape, inputs.study_rows(entry, shape), experts,
+                                 ceilings, jax.random.fold_in(key, 1000 * s + i), rng))
+        report.write_json(rows)
+  report.finish(rows, tables.format_gemm1_table(rows, ceilings))
+  return rows
+
+
+def device_main(args, skip, shapes, tokens, engines, launch: str) -> list:
+  """--gpu: R = --devices (default 1) devices of --platform in this process, or (multi-process)
+  one device per process; everything made and measured on the devices."""
+  devices = platform_devices(args)
   R = (args.devices or 1) if launch == "single" else len(devices)
   if len(devices) < R:
     raise SystemExit(f"--gpu --devices {R}: only {len(devices)} {args.platform} devices")
@@ -298,11 +356,7 @@ def device_main(args, skip, shapes, tokens, engines, launch: str) -> list:
   rng = np.random.default_rng(args.seed)  # picks the randomly checked experts
   rows = []
   with jax.default_device(device):  # every array this makes, and every jit without inputs
-    progress(f"measuring ceilings on {device.device_kind}")
-    # a 2 GiB copy and an 8192^3 matmul make an H200's ceilings; a CPU gets a smaller copy and
-    # matmul so that trying the mode stays quick
-    ceilings = timing.measure_device_ceilings(device, (2 << 30) if on_gpu else (256 << 20),
-                                              8192 if on_gpu else 1024)
+    ceilings = measure_ceilings(device)
     if R > 1 and launch == "single":
       ceilings["peer_copy_gbps"] = timing.peer_copy_gbps(devices[0], devices[1],
                                                          (1 << 30) if on_gpu else (64 << 20))
@@ -321,8 +375,8 @@ def device_main(args, skip, shapes, tokens, engines, launch: str) -> list:
                               jax.random.fold_in(jax.random.fold_in(key, 2 * s + 1), T), rng)
         report.write_json(rows)
       del weights  # the next shape's weights need the memory (v4pro: 17 GB fp8 + 34 GB bf16)
-  report.finish(rows, tables.format_single_device_table(rows, ceilings, skip, notes),
-                ceilings["dense_bf16"])
+  report.finish(rows, tables.format_single_device_table(rows, ceilings, skip, notes) + "\n"
+                + tables.format_gemm1_table(rows, ceilings), ceilings["dense_bf16"])
   return rows
 
 

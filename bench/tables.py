@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from bench.gemm_peers import ratios
 from bench.paths import STAGES
 
 VS_NATIVE_NOTE = ("vs nat = fastest JAX-native stage1 ms / this path's stage1 ms (>1: faster than "
@@ -201,5 +202,78 @@ def format_single_device_table(rows: Sequence[dict], ceilings: dict, skipped: se
                       f"{h['own_copies']:.0f})" if "own_copies" in h else "")
                    + (f", {h['single_copies']:.0f} of them one at a time (cudaMemcpyBatchAsync: "
                       f"{h['batch_error']})" if h.get("single_copies") else ""))
+  lines += [f"- {n}" for n in notes]
+  return "\n".join(lines)
+
+
+GEMM1_NOTES = (
+    "gemm1 against its peers (issue 13), on the same rows per expert in the same run. ms: median "
+    "wall time of one gemm1 call until block_until_ready (the gemm1 ms of the Stage1 table); pipe: "
+    "--iters calls enqueued back to back / iters, the device's time, from which TF/s and every "
+    "ratio are taken (the peers are timed on the device with CUDA events: median of --iters calls "
+    "after --warmup).",
+    "vs X = X's ms / our pipe ms (> 1: ours faster). bf16 = torch._grouped_mm, bf16 x [M, H] and "
+    "w [E, 2I, H] (its transpose), offsets the cumulative rows per expert; fp8 = "
+    "torch._scaled_grouped_mm, e4m3 with rowwise float32 scales; MX = Triton tl.dot_scaled, e4m3 "
+    "with E8M0 block-32 scales (exact MX, as ours), one dense [M, H] x [H, 2I] GEMM of the same "
+    "FLOPs, best of a few tiles (each tile's ms in the JSON); dense = torch's bf16 a @ b.T of the "
+    "same FLOPs (cuBLAS), a ceiling.",
+    "floor = the fp8 weights and E8M0 scales of the experts with rows / the copy bandwidth of this "
+    "run (read + write counted); / floor = pipe / floor (issue 13: <= 1.25 at small batches).",
+    "Each peer runs on its own random data beside JAX's memory pool (torch and triton are imported "
+    "only on a CUDA device) and is checked against float64 on up to 64 rows of two groups before "
+    "it is timed (relative error in the JSON; over 1e-2: failed). In a Stage1 run the peers take "
+    "rank 0's rows per local expert (R > 1: our gemm1 ms is the max over ranks).",
+)
+
+
+def format_gemm1_table(rows: Sequence[dict], ceilings: dict,
+                       notes: Sequence[str] = GEMM1_NOTES) -> str:
+  """gemm1 against its peers: one line per gemm1-alone row (--gemm1-rows) or engine row of a --gpu
+  Stage1 run; empty if no row has peers."""
+  cols = [("shape", 6, "{}"), ("T", 5, "{}"), ("path", 12, "{}"), ("rows", 6, "{}"),
+          ("exp", 4, "{}"), ("rows/exp", 8, "{:.0f}"), ("ms", 7, "{:.3f}"),
+          ("pipe ms", 7, "{:.3f}"), ("TF/s", 5, "{}"), ("bf16 ms", 7, "{:.3f}"),
+          ("vs bf16", 7, "{:.2f}x"),
+          ("fp8 ms", 7, "{:.3f}"), ("vs fp8", 6, "{:.2f}x"), ("MX ms", 7, "{:.3f}"),
+          ("vs MX", 6, "{:.2f}x"), ("floor ms", 8, "{:.3f}"), ("/ floor", 7, "{:.2f}x"),
+          ("dense TF/s", 10, "{}")]
+  table, why = [], {}
+  for r in rows:
+    peers = r.get("gemm1_peers")
+    if not peers or r["kind"] not in ("engine", "gemm1"):
+      continue
+    prob, res = peers["problem"], peers["results"]
+    g = r.get("gemm1") if r["kind"] == "gemm1" else r.get("stages", {}).get("gemm1")
+    ours = g["pipelined_ms"] if g and "failed" not in r else None
+    ratio = ratios(ours, peers)
+    where = f"{r['shape']} T={r['tokens']}" if r["tokens"] else f"{r['shape']} rows={prob['rows']}"
+    for name, v in res.items():
+      for state in ("skipped", "failed"):
+        if state in v:  # one line per reason: the peers and rows it concerns
+          peers_at = why.setdefault(f"{state}: {v[state]}", ({}, {}))
+          peers_at[0][name], peers_at[1][where] = None, None
+
+    def peer(name):
+      v = res[name]
+      return v["ms"] if "ms" in v and "failed" not in v else (
+          "skipped" if "skipped" in v else "failed")
+
+    dense = res["torch-dense"]
+    table.append([r["shape"], r["tokens"] or "-", r["path"], prob["rows"], prob["experts"],
+                  prob["rows"] / max(1, prob["experts"]),
+                  g["median_ms"] if ours else "failed",
+                  ours, _rate(r["gemm1_flops"] / (ours * 1e-3) / 1e12 / (r.get("ranks") or 1))
+                  if ours else None,
+                  peer("torch-bf16"), ratio.get("torch-bf16"), peer("torch-fp8"),
+                  ratio.get("torch-fp8"), peer("triton-mx"), ratio.get("triton-mx"),
+                  peers["floor"]["ms"], ratio.get("floor"),
+                  _rate(dense.get("tflops")) if "failed" not in dense else None])
+  if not table:
+    return ""
+  lines = ["gemm1 against its peers (same rows per expert, same run):"]
+  lines += render_table(cols, table, left=3)
+  lines += [f"  {', '.join(names)}: {w} ({', '.join(at)})" for w, (names, at) in why.items()]
+  lines.append(f"ceilings (peers): copy {ceilings['copy_gbps']:.0f} GB/s, the floor's bandwidth")
   lines += [f"- {n}" for n in notes]
   return "\n".join(lines)
