@@ -28,6 +28,9 @@ Modes:
                  timed, with its peers (torch's bf16 and fp8 grouped GEMMs, Triton's exact-MX
                  dot_scaled, the weight-streaming floor; bench/gemm_peers.py), instead of Stage1.
                  A Stage1 --gpu run measures the same peers on each configuration's rows.
+  --layer        the whole MoE layer instead of Stage1 (bench/layer.py): jsm.moe per engine and the
+                 JAX-native capacity layer (all_to_all + einsum GEMM1, GEMM2 + all_to_all back),
+                 checked on sampled tokens, timed; one process (CPU devices, or --gpu --platform).
   --merge        runs nothing: one report from earlier runs' JSON files of one mode.
 
 The code: bench/inputs.py (inputs and weights), paths.py (engine paths), natives.py (JAX-native
@@ -50,6 +53,7 @@ USAGE = """Examples (from the repository root):
   python bench/run.py --gpu --skip-native ragged   # ragged_dot is slow / out of memory on GPU
   python bench/run.py --gpu --devices 2 --shapes dsv3
   python bench/run.py --gpu --gemm1-rows 128x2,32768,65536 --experts 128   # issue 13's table
+  python bench/run.py --layer --platform cpu --devices 8   # the whole layer (issue 16)
   mpirun --allow-run-as-root -n 2 python bench/run.py --gpu --shapes dsv3   # one GPU per process
   mpirun --allow-run-as-root -n 2 python bench/run.py --tokens 32,128   # 2 processes, 1 rank each
   python bench/run.py --coordinator localhost:12345 --num-processes 2 --process-id 0 & \\
@@ -122,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
                  "(e.g. 128x2,32768,65536)")
   p.add_argument("--experts", type=int, help="--gemm1-rows: local experts (default: E/2 of each "
                  "shape, one of 2 ranks')")
+  p.add_argument("--layer", action="store_true",
+                 help="the whole MoE layer instead of Stage1: jsm.moe per engine against the "
+                      "JAX-native capacity layer, checked and timed in the same run "
+                      "(bench/layer.py); CPU devices, or --gpu's devices of --platform")
   p.add_argument("--merge", nargs="+", metavar="JSON",
                  help="run nothing: one table, JSON and PNG (under --out, named --tag) from "
                       "earlier runs' JSON files of one mode, e.g. a run cut short by a time limit "
@@ -189,7 +197,7 @@ import numpy as np  # noqa: E402
 
 import jax_sdma_moe as jsm  # noqa: E402
 
-from bench import gemm_peers, inputs, tables, timing  # noqa: E402
+from bench import gemm_peers, inputs, layer, tables, timing  # noqa: E402
 from bench.measure import device_config, gemm1_config, host_config  # noqa: E402
 from bench.processes import CheckError, progress  # noqa: E402
 from bench.report import Report, merge_reports, metadata  # noqa: E402
@@ -246,7 +254,9 @@ def main(args) -> None:
     raise SystemExit("--gemm1-rows: --gpu in one process (it runs on the first device)")
   start_processes(args, launch)
   try:
-    if args.gemm1_rows:
+    if args.layer:
+      rows = layer.layer_main(args, skip, shapes, tokens, engines, launch)
+    elif args.gemm1_rows:
       rows = gemm1_main(args, shapes)
     else:
       rows = (device_main if args.gpu else host_main)(args, skip, shapes, tokens, engines, launch)
