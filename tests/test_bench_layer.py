@@ -1,0 +1,38 @@
+"""bench/run.py --layer (the whole MoE layer: jsm.moe per engine and the JAX-native capacity
+layer, checked and timed in one run) at a tiny size on 8 CPU devices."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from absl.testing import absltest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class BenchLayerTest(absltest.TestCase):
+
+  def test_layer_on_cpu_devices(self):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    with tempfile.TemporaryDirectory() as out:
+      p = subprocess.run(
+          [sys.executable, os.path.join(ROOT, "bench", "run.py"), "--layer", "--platform", "cpu",
+           "--devices", "8", "--tokens", "16", "--iters", "2", "--warmup", "1", "--out", out],
+          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+      self.assertEqual(p.returncode, 0, p.stdout[-2000:] + p.stderr[-3000:])
+      with open(os.path.join(out, "layer-cpu.json")) as f:
+        result = json.load(f)
+    self.assertEqual(result["meta"]["devices"], 8)
+    rows = {r["path"]: r for r in result["results"]}
+    self.assertEqual(set(rows), {"engine:cpu", "engine:xla", "native:layer(cf=1.25)"})
+    for name, row in rows.items():
+      self.assertNotIn("failed", row, name)
+      self.assertLessEqual(row["max_rel_err"], 1e-2, name)
+      self.assertGreater(row["median_ms"], 0, name)
+    self.assertEqual(rows["engine:cpu"]["dropped"], 0)
+    self.assertIn("native:layer(cf=1.25)", p.stdout)  # the table
+
+
+if __name__ == "__main__":
+  absltest.main()
