@@ -2,10 +2,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cstring>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #include "kernels/cpu/window_table.h"
@@ -45,20 +43,16 @@ std::vector<int64_t> combine_key(const CombineGeometry& g) { return {1, g.R, g.T
 std::string combine_cpu(int64_t rank, const CombineGeometry& g, const DispatchOptions& opt,
                         const ReturnRows& in, uint16_t* y) {
   const int64_t R = g.R, H = g.H;
-  if (rank < 0 || rank >= R) return "rank " + std::to_string(rank) + " out of range";
-  if (rank == opt.fault_absent_rank) {
+  const auto call = cpu_windows::begin_call<ReturnWindow>("combine", rank, g, combine_key(g), opt);
+  if (call.absent) {
     std::fill_n(y, g.T * H, uint16_t(0));
     return "";
   }
-  if (rank == opt.fault_delay_rank)
-    std::this_thread::sleep_for(std::chrono::milliseconds(opt.fault_delay_ms));
-  const auto deadline = cpu_windows::deadline_after(opt.timeout_s);
-  std::string err;
-  auto windows = cpu_windows::windows_of<ReturnWindow>(opt.window_set, g, combine_key(g), &err);
-  if (!windows) return "jax_sdma_moe combine (cpu engine): " + err;
-  auto& W = *windows;
-  const uint64_t epoch = ++W[rank]->epoch;
+  if (!call.windows) return call.error;
+  auto& W = *call.windows;
+  const uint64_t epoch = call.epoch;
   const int parity = int(epoch & 1);
+  const auto deadline = call.deadline;
 
   // 1. each source's rows to its return slot, then its done flag
   std::vector<std::vector<int64_t>> rows_of(static_cast<size_t>(R));

@@ -1,7 +1,6 @@
 #include "kernels/cpu/dispatch.h"
 
 #include <atomic>
-#include <chrono>
 #include <thread>
 
 #include "kernels/cpu/window_table.h"
@@ -94,20 +93,16 @@ void finish_landed(const DispatchGeometry& g, int64_t rows, int64_t dropped,
 std::string dispatch_cpu(int64_t rank, const DispatchGeometry& g, const DispatchOptions& opt,
                          const SendView& send, const LandedView& out) {
   const int64_t R = g.R, EL = g.EL, HS = g.H / kBlock;
-  if (rank < 0 || rank >= R) return "rank " + std::to_string(rank) + " out of range";
-  if (rank == opt.fault_absent_rank) {
+  const auto call = cpu_windows::begin_call<RankWindow>("dispatch", rank, g, dispatch_key(g), opt);
+  if (call.absent) {
     zero_outputs(g, out);
     return "";
   }
-  if (rank == opt.fault_delay_rank)
-    std::this_thread::sleep_for(std::chrono::milliseconds(opt.fault_delay_ms));
-  const auto deadline = cpu_windows::deadline_after(opt.timeout_s);
-  std::string err;
-  auto windows = cpu_windows::windows_of<RankWindow>(opt.window_set, g, dispatch_key(g), &err);
-  if (!windows) return "jax_sdma_moe dispatch (cpu engine): " + err;
-  auto& W = *windows;
-  const uint64_t epoch = ++W[rank]->epoch;
+  if (!call.windows) return call.error;
+  auto& W = *call.windows;
+  const uint64_t epoch = call.epoch;
   const int parity = int(epoch & 1);
+  const auto deadline = call.deadline;
 
   // 1. plan to every destination
   for (int64_t d = 0; d < R; ++d) {

@@ -13,6 +13,8 @@
 #include <thread>
 #include <vector>
 
+#include "kernels/common/options.h"
+
 namespace jsm {
 
 int64_t cpu_windows_create(int64_t num_ranks);
@@ -54,6 +56,44 @@ std::shared_ptr<RankWindows<Window>> windows_of(int64_t table_id, const Geometry
 inline Clock::time_point deadline_after(double seconds) {
   return Clock::now() +
          std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
+
+// One rank's part in one call of a protocol (the dispatch, the combine).
+template <class Window>
+struct ProtocolCall {
+  std::shared_ptr<RankWindows<Window>> windows;  // every rank's; null if absent or on error
+  uint64_t epoch = 0;                            // this call's; its parity slot is epoch & 1
+  Clock::time_point deadline;                    // of every wait of the call
+  bool absent = false;  // fault injection: this rank takes no part (its peers time out)
+  std::string error;
+};
+
+// The start every protocol call shares: the rank checked, the options' fault injection (an absent
+// rank; a late one sleeps first), the deadline, the windows of `key`, and the rank's next epoch
+// (Window has a member `epoch`, touched only by the rank's own calls, which run in program
+// order). call: the custom call's name, for the error.
+template <class Window, class Geometry>
+ProtocolCall<Window> begin_call(const char* call, int64_t rank, const Geometry& g,
+                                const std::vector<int64_t>& key, const DispatchOptions& opt) {
+  ProtocolCall<Window> c;
+  if (rank < 0 || rank >= g.R) {
+    c.error = "rank " + std::to_string(rank) + " out of range";
+    return c;
+  }
+  if (rank == opt.fault_absent_rank) {
+    c.absent = true;
+    return c;
+  }
+  if (rank == opt.fault_delay_rank)
+    std::this_thread::sleep_for(std::chrono::milliseconds(opt.fault_delay_ms));
+  c.deadline = deadline_after(opt.timeout_s);
+  c.windows = windows_of<Window>(opt.window_set, g, key, &c.error);
+  if (!c.windows) {
+    c.error = std::string("jax_sdma_moe ") + call + " (cpu engine): " + c.error;
+    return c;
+  }
+  c.epoch = ++(*c.windows)[size_t(rank)]->epoch;
+  return c;
 }
 
 // Spin, then sleep briefly: the R device threads may share very few cores.
