@@ -30,7 +30,7 @@ SHAPES = {
 
 @dataclasses.dataclass(frozen=True)
 class Stage1Config:
-  """Static settings of a Stage1 call: every option there is (the library reads no environment
+  """Static settings of the layer's calls (stage1, stage2, moe): every option there is (the library reads no environment
   variables), and, being a frozen dataclass, part of the jit cache key.
 
   engine: how rows move between ranks: "cpu" (memcpy between the virtual CPU devices of one

@@ -193,19 +193,21 @@ def sampled_h32(values: jax.Array, scales: jax.Array, offsets: np.ndarray, count
 def gemm1_f32(values: jax.Array, scales: jax.Array, expert_offsets: jax.Array,
               expert_counts: jax.Array, w1: QuantizedW1, swiglu_limit: Optional[float]) -> jax.Array:
   """float32 h [M_cap, I] of one rank: SwiGLU(deq(a) @ deq(w1[e]).T) per landed row, 0 elsewhere."""
-  M = values.shape[0]
-  EL, two_i, _ = w1.values.shape
-  I = two_i // 2
-  a = dequantize(values, scales)
-  w = dequantize(w1.values, w1.scales)
-  r = jnp.arange(M)
-  member = (r[None, :] >= expert_offsets[:, None]) & (
-      r[None, :] < (expert_offsets + expert_counts)[:, None])  # [EL, M]
-  a_e = jnp.where(member[:, :, None], a[None], 0.0)           # rows of expert e only
-  gu = jnp.einsum("emh,enh->mn", a_e, w, precision=lax.Precision.HIGHEST,
-                  preferred_element_type=jnp.float32)
+  I = w1.values.shape[1] // 2
+  a_e, member = _rows_by_expert(dequantize(values, scales), expert_offsets, expert_counts)
+  gu = jnp.einsum("emh,enh->mn", a_e, dequantize(w1.values, w1.scales),
+                  precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
   h = swiglu(gu[:, :I], gu[:, I:], swiglu_limit)
   return jnp.where(member.any(0)[:, None], h, 0.0)
+
+
+def _rows_by_expert(a: jax.Array, expert_offsets: jax.Array, expert_counts: jax.Array):
+  """a [M, D] of one rank's landed rows -> (a_e [EL, M, D]: expert e's rows of a, 0 elsewhere;
+  member [EL, M]: which rows are expert e's), for a dense einsum over the local experts."""
+  r = jnp.arange(a.shape[0])
+  member = (r[None, :] >= expert_offsets[:, None]) & (
+      r[None, :] < (expert_offsets + expert_counts)[:, None])
+  return jnp.where(member[:, :, None], a[None], 0.0), member
 
 
 def finish_h(h: jax.Array, out_dtype: str):
@@ -251,15 +253,9 @@ def gemm2_f32(h, expert_offsets: jax.Array, expert_counts: jax.Array,
   """float32 GEMM2 of one rank [M_cap, H]: deq(q(h[row])) @ deq(w2[e]).T per landed row, 0
   elsewhere. h: Stage1's rows, bf16 (q: quantised along I here) or MXFP8 (those bytes)."""
   hq = h if isinstance(h, MXFP8) else quantize(h)
-  M = hq.values.shape[0]
-  a = dequantize(hq.values, hq.scales)
-  w = dequantize(w2.values, w2.scales)                         # [EL, H, I]
-  r = jnp.arange(M)
-  member = (r[None, :] >= expert_offsets[:, None]) & (
-      r[None, :] < (expert_offsets + expert_counts)[:, None])  # [EL, M]
-  a_e = jnp.where(member[:, :, None], a[None], 0.0)
-  return jnp.einsum("emi,ehi->mh", a_e, w, precision=lax.Precision.HIGHEST,
-                    preferred_element_type=jnp.float32)
+  a_e, _ = _rows_by_expert(dequantize(hq.values, hq.scales), expert_offsets, expert_counts)
+  return jnp.einsum("emi,ehi->mh", a_e, dequantize(w2.values, w2.scales),
+                    precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
 
 def combine_f32(rows: jax.Array, out1: Stage1Output, num_tokens: int) -> jax.Array:

@@ -2,8 +2,9 @@
 
 One module per engine. Each is a class that says which platforms it serves, whether it fuses
 GEMM1 with the dispatch, whether its calls may be captured in CUDA graphs, and how it lowers
-(`Engine.dispatch`, `Engine.dispatch_gemm1`). `Runtime` picks one (`select`) and holds one
-instance, which owns the engine's per-Runtime state (windows)."""
+(`Engine.dispatch`, `Engine.dispatch_gemm1`, and Stage2's way back, `Engine.combine`). `Runtime`
+picks one (`select`) and holds one instance, which owns the engine's per-Runtime state
+(windows)."""
 from __future__ import annotations
 
 from .base import Engine

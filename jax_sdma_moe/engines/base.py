@@ -21,7 +21,7 @@ def gemm1_options(config) -> primitives.Gemm1Options:
 
 
 class Engine:
-  """One Runtime's dispatch engine.
+  """One Runtime's dispatch engine, and the way back of its dispatch (Stage2's combine).
 
   name: the Stage1Config.engine value. platforms: where it runs. fuses_gemm1: dispatch and gemm1
   run as one call, the GEMM starting each expert as its rows land. graph_capturable: its calls

@@ -51,8 +51,7 @@ std::string combine_cpu(int64_t rank, const CombineGeometry& g, const DispatchOp
   if (!call.windows) return call.error;
   auto& W = *call.windows;
   const uint64_t epoch = call.epoch;
-  const int parity = int(epoch & 1);
-  const auto deadline = call.deadline;
+  const int parity = call.parity();
 
   // 1. each source's rows to its return slot, then its done flag
   std::vector<std::vector<int64_t>> rows_of(static_cast<size_t>(R));
@@ -73,7 +72,7 @@ std::string combine_cpu(int64_t rank, const CombineGeometry& g, const DispatchOp
   ReturnSlot& me = W[rank]->slots[parity];
   for (int64_t d = 0; d < R; ++d)
     if (!wait_until([&] { return me.done_flag[d].load(std::memory_order_acquire) >= epoch; },
-                    deadline))
+                    call.deadline))
       return cpu_windows::timeout_message("combine", rank, d, "its returned rows", epoch,
                                           opt.timeout_s);
   // 3. the weighted sum of this epoch's rows

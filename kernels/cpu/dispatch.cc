@@ -101,8 +101,7 @@ std::string dispatch_cpu(int64_t rank, const DispatchGeometry& g, const Dispatch
   if (!call.windows) return call.error;
   auto& W = *call.windows;
   const uint64_t epoch = call.epoch;
-  const int parity = int(epoch & 1);
-  const auto deadline = call.deadline;
+  const int parity = call.parity();
 
   // 1. plan to every destination
   for (int64_t d = 0; d < R; ++d) {
@@ -114,7 +113,7 @@ std::string dispatch_cpu(int64_t rank, const DispatchGeometry& g, const Dispatch
   Slot& me = W[rank]->slots[parity];
   for (int64_t s = 0; s < R; ++s)
     if (!wait_until([&] { return me.plan_flag[s].load(std::memory_order_acquire) >= epoch; },
-                    deadline))
+                    call.deadline))
       return timeout_message(rank, s, "its plan (send counts)", epoch, opt.timeout_s);
   const int32_t* plan = me.plan.data();  // plan[(s * R + d) * EL + e]
 
@@ -140,7 +139,7 @@ std::string dispatch_cpu(int64_t rank, const DispatchGeometry& g, const Dispatch
     for (int64_t e = 0; e < EL; ++e)
       if (!wait_until(
               [&] { return me.seg_flag[s * EL + e].load(std::memory_order_acquire) >= epoch; },
-              deadline))
+              call.deadline))
         return timeout_message(rank, s, "its rows of local expert " + std::to_string(e), epoch,
                                opt.timeout_s);
   std::vector<int32_t> total(static_cast<size_t>(EL));

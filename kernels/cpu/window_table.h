@@ -66,6 +66,7 @@ struct ProtocolCall {
   Clock::time_point deadline;                    // of every wait of the call
   bool absent = false;  // fault injection: this rank takes no part (its peers time out)
   std::string error;
+  int parity() const { return int(epoch & 1); }
 };
 
 // The start every protocol call shares: the rank checked, the options' fault injection (an absent
