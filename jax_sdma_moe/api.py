@@ -9,7 +9,7 @@ from jax import lax
 
 from . import layout, primitives, reference
 from .layout import BLOCK
-from .engines.base import COMBINE_NOT_BUILT_ISSUE, Engine
+from .engines.base import STAGE2_ON_GPUS_ISSUE, Engine
 from .runtime import Runtime
 from .types import MXFP8, Landed, QuantizedW1, QuantizedW2, SendBuffer, Stage1Output
 
@@ -218,7 +218,7 @@ def stage2_bytes(M: int, T: int, K: int, H: int) -> int:
 
 def stage2(out1: Stage1Output, w2q: QuantizedW2, *, runtime: Runtime) -> jax.Array:
   """Expert-parallel MoE Stage2 of this rank; call inside shard_map over runtime.axis_name, on the
-  Stage1Output of jsm.stage1 with the same Runtime.
+  Stage1Output of jsm.stage1 (by a Runtime of the same axis) in the same shard_map.
 
   GEMM2 of every landed row (q(h) along I, or Stage1's MX-fp8 bytes, times its expert's w2), then
   the combine: each row back to its source rank, weighted by its top-k weight and summed per token
@@ -250,7 +250,7 @@ def _check_stage2_built(runtime: Runtime) -> None:
   if missing:
     raise NotImplementedError(
         f"stage2: this build of jax_sdma_moe has no {runtime.platform} kernels for "
-        f"{', '.join(missing)} ({COMBINE_NOT_BUILT_ISSUE}; built on cpu)")
+        f"{', '.join(missing)} ({STAGE2_ON_GPUS_ISSUE}; built on cpu)")
 
 
 def moe(x: Union[jax.Array, MXFP8], topk, w1q: QuantizedW1, w2q: QuantizedW2, *,

@@ -9,8 +9,9 @@ import jax
 from .. import primitives
 from ..types import Landed, QuantizedW1, SendBuffer, Stage1Output
 
-# Engines whose combine (Stage2) is built; the others raise combine_not_built() at trace time.
-COMBINE_NOT_BUILT_ISSUE = "issue 16: Stage2's GPU combine"
+# Where Stage2 on GPUs (a CUDA gemm2, the GPU engines' combine) is tracked; the errors of the parts
+# not built name it.
+STAGE2_ON_GPUS_ISSUE = "issue 16: Stage2 on GPUs"
 
 if TYPE_CHECKING:  # pragma: no cover
   from ..runtime import Runtime
@@ -70,7 +71,7 @@ class Engine:
   def combine_not_built(cls) -> NotImplementedError:
     return NotImplementedError(
         f"engine {cls.name!r} has no combine yet, so jsm.stage2 and jsm.moe cannot run with it "
-        f"({COMBINE_NOT_BUILT_ISSUE}); engines with a combine: cpu, local, xla")
+        f"({STAGE2_ON_GPUS_ISSUE}); engines with a combine: cpu, local, xla")
 
   def check(self) -> None:
     """Raises if a bounded wait of an earlier call ran out (engines with device-side waits)."""
