@@ -215,8 +215,9 @@ ffi::Error CombineImpl(ffi::AnyBuffer rows, S32Vec src_rank, S32Vec token, S32Ve
 }
 
 // stage1(check=True): the overflow count passes through, and a non-zero one fails the call.
-ffi::Error CheckOverflowImpl(S32Scalar overflow, S32Scalar rank, ffi::Result<S32Scalar> out,
-                             int64_t cap) {
+ffi::Error CheckOverflowImpl(S32Scalar overflow, S32Scalar rank,
+                             std::optional<ffi::AnyBuffer> /*after: orders, not read*/,
+                             ffi::Result<S32Scalar> out, int64_t cap) {
   const int32_t n = *overflow.typed_data();
   *out->typed_data() = n;
   if (n > 0)

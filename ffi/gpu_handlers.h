@@ -10,6 +10,7 @@
 //                               const LandedView&, const DispatchOptions&);   // "" or an error
 #pragma once
 
+#include <optional>
 #include <string>
 
 #include "ffi/handler_util.h"
@@ -196,6 +197,7 @@ ffi::Error DispatchImpl(gpu::Stream stream, ffi::AnyBuffer values, ffi::AnyBuffe
 }
 
 inline ffi::Error CheckOverflowImpl(gpu::Stream stream, S32Scalar overflow, S32Scalar rank,
+                                    std::optional<ffi::AnyBuffer> /*after: orders, not read*/,
                                     ffi::Result<S32Scalar> out, int64_t cap) {
   int32_t host[2] = {0, 0};
   (void)gpu::memcpy_device_to_device_async(out->typed_data(), overflow.typed_data(), 4, stream);

@@ -136,11 +136,12 @@ auto combine(B b) {
       .template Attr<int64_t>("topk");
 }
 
-// overflow (passed through; the call fails if > 0) <- overflow, rank
+// overflow (passed through; the call fails if > 0) <- overflow, rank[, after: any buffer, never
+// read: it orders the check after the call that made it (jsm.moe checks after its combine)]
 template <class B>
 auto check_overflow(B b) {
   return std::move(b).template Arg<S32Scalar>().template Arg<S32Scalar>()
-      .template Ret<S32Scalar>().template Attr<int64_t>("cap");
+      .template OptionalArg<Any>().template Ret<S32Scalar>().template Attr<int64_t>("cap");
 }
 
 }  // namespace sig

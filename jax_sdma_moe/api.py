@@ -264,5 +264,12 @@ def moe(x: Union[jax.Array, MXFP8], topk, w1q: QuantizedW1, w2q: QuantizedW2, *,
   ids, weights = _split_topk(topk)
   _, H, _, EL = _check_inputs(x, ids, weights, w1q)
   _check_w2(w2q, EL, w1q.values.shape[1] // 2, "moe", H)
-  out1 = stage1(x, topk, w1q, runtime=runtime, check=check)
-  return stage2(out1, w2q, runtime=runtime)
+  out1 = stage1(x, topk, w1q, runtime=runtime)
+  y = stage2(out1, w2q, runtime=runtime)
+  if check:
+    # checked once y exists: a rank whose rows overflowed fails only after it has taken part in
+    # the combine, so no peer waits there for it until its timeout
+    overflow = primitives.check_overflow(out1.overflow, lax.axis_index(runtime.axis_name),
+                                         out1.src_rank.shape[0], after=y)
+    y, _ = lax.optimization_barrier((y, overflow))  # the check's count used: JAX keeps the call
+  return y

@@ -301,10 +301,14 @@ def combine(rows: jax.Array, src_rank: jax.Array, token: jax.Array, slot: jax.Ar
 
 # --- check_overflow (stage1(check=True)) -----------------------------------------------------
 
-_check_overflow_p = _make("check_overflow", lambda overflow, rank, *, cap: (
+_check_overflow_p = _make("check_overflow", lambda overflow, rank, *after, cap: (
     _aval((), jnp.int32),), lambda p: {"cap": np.int64(p["cap"])})
 
 
-def check_overflow(overflow: jax.Array, rank: jax.Array, cap: int) -> jax.Array:
-  """Passes `overflow` through; the call fails at run time, naming the rank, if it is > 0."""
-  return _bind(_check_overflow_p, overflow, rank.astype(jnp.int32), cap=int(cap))[0]
+def check_overflow(overflow: jax.Array, rank: jax.Array, cap: int,
+                   after: Optional[jax.Array] = None) -> jax.Array:
+  """Passes `overflow` through; the call fails at run time, naming the rank, if it is > 0.
+  after: an array the check must wait for (an operand it never reads; XLA:CPU drops an
+  optimization barrier's order): jsm.moe checks after its combine."""
+  return _bind(_check_overflow_p, overflow, rank.astype(jnp.int32),
+               *(() if after is None else (after,)), cap=int(cap))[0]

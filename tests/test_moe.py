@@ -1,5 +1,7 @@
 """jsm.moe and jsm.stage2 (the whole layer) under shard_map on 8 CPU devices against
 reference.moe (DESIGN.md §2, §3 "Stage2", §6), and their trace-time errors."""
+import time
+
 import _util
 
 import jax
@@ -147,6 +149,22 @@ class MoeTest(parameterized.TestCase):
       overflow, y = f(*_util.shard(m, (x, ids, w, w1q, w2q)))
     self.assertEqual(int(np.asarray(overflow)[0]), R * T * K - 100)
     check_y(self, y, reference_y(x, ids, w, w1q, w2q, R, cfg, T), ids, E)
+
+  @parameterized.parameters("cpu", "xla")
+  def test_check_fails_fast_on_overflow(self, engine):
+    """moe(check=True) with rows past M_cap on one rank: the call fails naming the overflow, not
+    after a peer's timeout in the combine."""
+    r = _util.rng()
+    m = _util.mesh(R)
+    T, H, I, E, K = 16, 64, 32, 64, 4
+    x, ids, w, w1q = _util.make_problem(r, R, T, H, I, E, K, "skewed")  # only rank 0 overflows
+    cfg = jsm.Stage1Config(engine=engine, row_align=8, max_recv_rows=100, timeout_s=60.0)
+    with jsm.Runtime(m, "ep", cfg) as rt:
+      f = moe_fn(m, rt, check=True)
+      t0 = time.monotonic()
+      with self.assertRaisesRegex(Exception, "did not fit M_cap = 100"):
+        jax.block_until_ready(f(*_util.shard(m, (x, ids, w, w1q, make_w2q(r, E, H, I)))))
+      self.assertLess(time.monotonic() - t0, 30.0, "the check waited for a peer's timeout")
 
   def test_back_to_back_calls_and_two_layers(self):
     """20 calls on one Runtime with fresh inputs (the combine's epochs and parity slots), then two
