@@ -311,6 +311,12 @@ class Stage2ErrorsTest(parameterized.TestCase):
         with self.assertRaisesRegex(NotImplementedError, rf"engine '{engine}' has no combine "
                                     r"yet.*issue 16"):
           self.trace_moe(rt=rt)
+    # engine xla has a combine, but CUDA has no gemm2 / combine kernels yet
+    with jsm.Runtime(self.mesh, "ep", jsm.Stage1Config(engine="xla"),
+                     lowering_platform="cuda") as rt:
+      with self.assertRaisesRegex(NotImplementedError, r"no cuda kernels for combine, gemm2 "
+                                  r"\(issue 16"):
+        self.trace_moe(rt=rt)
 
 
 if __name__ == "__main__":
