@@ -84,11 +84,8 @@ std::string launch_gemm1(Gemm1Args g, int grid, cudaStream_t stream, const Gemm1
     launch_sm90_mx_bf16_rs(g, maps, grid, stream);
   } else if (g.H % 128 == 0) {
     CUtensorMap map_a0, map_a1, map_b;
-    err = tensor_map(&map_a0, g.epoch_counter ? g.slot_values[0] : g.a, g.H, g.m_cap,
-                     kTmaABoxRows);
-    if (err.empty())
-      err = tensor_map(&map_a1, g.epoch_counter ? g.slot_values[1] : g.a, g.H, g.m_cap,
-                       kTmaABoxRows);
+    err = tensor_map(&map_a0, rows0, g.H, g.m_cap, kTmaABoxRows);
+    if (err.empty()) err = tensor_map(&map_a1, rows1, g.H, g.m_cap, kTmaABoxRows);
     if (err.empty()) err = tensor_map(&map_b, g.w, g.H, int64_t(g.EL) * 2 * g.I, BN);
     if (!err.empty()) return err;
     launch_sm90_tma_ws(g, map_a0, map_a1, map_b, grid, stream);
