@@ -12,8 +12,9 @@ Both compute on the same values: the native paths get bf16 copies of the dequant
 weights (exact). The check: per rank, on a sample of tokens, relative norm <= 1e-2 and max error
 <= 3e-2 * max |ref| against reference tokens computed expert by expert in float32 (the native
 path's dropped slots masked out); tokens with no slot exactly 0; the engines' y byte-identical.
-One rank per device of this process: CPU devices (--devices, 8), or with --gpu the devices of
---platform.
+One rank per device: CPU devices (--devices, 8), or with --gpu the devices of --platform; in a
+multi-process launch (mpirun, or --coordinator/--num-processes/--process-id) every process's
+devices, each process holding the same host inputs (one seed) and checking the whole y.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from bench import inputs
 from bench.inputs import AXIS
 from bench.natives import native_exchange, native_pack
 from bench.paths import per_rank_jit
-from bench.processes import RUN_FAILURES, CheckError, progress
+from bench.processes import RUN_FAILURES, CheckError, global_to_host, progress, same_outcome
 from bench.report import metadata
 from bench.tables import render_table
 from bench.timing import first_call, time_calls
@@ -204,14 +205,15 @@ def layer_config(args, mesh, shape: jsm.MoEShape, T: int, engines: Sequence[str]
         rows.append({**row, "failed": why})
         progress(f"{tag} {name}: FAILED: {why}")
         continue
-      if kind == "native":
-        y, kept = (np.asarray(a) for a in out)
-        row["dropped"] = int(np.sum((host.ids >= 0) & (host.ids < E)) - kept.sum())
-        row["max_rel_err"] = check_y(name, y, ref_for(np.where(kept, host.ids, -1)), sample)
-      else:
-        y = engine_y[name] = np.asarray(out)
-        row["dropped"] = 0
-        row["max_rel_err"] = check_y(name, y, engine_ref, sample)
+      with same_outcome():  # a failed check on one process fails every process
+        if kind == "native":
+          y, kept = global_to_host(out)
+          row["dropped"] = int(np.sum((host.ids >= 0) & (host.ids < E)) - kept.sum())
+          row["max_rel_err"] = check_y(name, y, ref_for(np.where(kept, host.ids, -1)), sample)
+        else:
+          y = engine_y[name] = global_to_host(out)
+          row["dropped"] = 0
+          row["max_rel_err"] = check_y(name, y, engine_ref, sample)
       progress(f"{tag} {name}: timing")
       row.update(time_calls(fn, (inp, w), args.iters, args.warmup), first_call_s=first_s)
       rows.append(row)
@@ -241,13 +243,14 @@ def format_layer_table(rows: Sequence[dict]) -> str:
 
 def layer_main(args, skip: set, shapes: Sequence[str], tokens: Sequence[int],
                engines: Sequence[str], launch: str) -> list:
-  """--layer: every (shape, tokens) on R devices of this process; prints the table and writes
-  <tag>.json under --out."""
-  if launch != "single":
-    raise SystemExit("--layer: one process (the layer's multi-process runs are not built yet)")
+  """--layer: every (shape, tokens) on R devices (of this process, or of every process in a
+  multi-process launch); process 0 prints the table and writes <tag>.json under --out."""
   platform = args.platform if args.gpu else "cpu"
-  devices = jax.devices(platform)
-  R = args.devices or (len(devices) if platform == "cpu" else 1)
+  devices = jax.devices(platform)  # every process's, in a multi-process launch
+  if launch != "single":
+    R = len(devices)
+  else:
+    R = args.devices or (len(devices) if platform == "cpu" else 1)
   if len(devices) < R:
     raise SystemExit(f"--layer: {R} {platform} devices requested, jax sees {len(devices)}")
   devices = devices[:R]
@@ -257,13 +260,15 @@ def layer_main(args, skip: set, shapes: Sequence[str], tokens: Sequence[int],
   out = Path(args.out) / f"{args.tag or 'layer-' + platform}.json"
   out.parent.mkdir(parents=True, exist_ok=True)
   meta = metadata(args, engines, devices, launch)
-  rows = []
-  with jax.default_device(devices[0]):
+  rows, writes = [], jax.process_index() == 0
+  with jax.default_device(jax.local_devices(backend=platform)[0]):
     for name in shapes:
       for T in tokens:
         rows += layer_config(args, mesh, jsm.SHAPES[name], T, engines, skip, rng)
-        out.write_text(json.dumps({"meta": meta, "notes": list(NOTES), "results": rows},
-                                  indent=1) + "\n")
-  print(format_layer_table(rows))
-  print(f"wrote {out}")
+        if writes:
+          out.write_text(json.dumps({"meta": meta, "notes": list(NOTES), "results": rows},
+                                    indent=1) + "\n")
+  if writes:
+    print(format_layer_table(rows))
+    print(f"wrote {out}")
   return rows

@@ -1,10 +1,13 @@
 """bench/run.py --layer (the whole MoE layer: jsm.moe per engine and the JAX-native capacity
-layer, checked and timed in one run) at a tiny size on 8 CPU devices."""
+layer, checked and timed in one run) at a tiny size: 8 CPU devices of one process, and two
+processes of one CPU device each (the mode `mpirun -n 2` runs, started with --coordinator)."""
 import json
 import os
 import subprocess
 import sys
 import tempfile
+
+import _util
 
 from absl.testing import absltest
 
@@ -32,6 +35,36 @@ class BenchLayerTest(absltest.TestCase):
       self.assertGreater(row["median_ms"], 0, name)
     self.assertEqual(rows["engine:cpu"]["dropped"], 0)
     self.assertIn("native:layer(cf=1.25)", p.stdout)  # the table
+
+  def test_layer_in_two_processes(self):
+    n, port = 2, _util.free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    with tempfile.TemporaryDirectory() as out:
+      procs = [subprocess.Popen(
+          [sys.executable, os.path.join(ROOT, "bench", "run.py"), "--layer", "--coordinator",
+           f"localhost:{port}", "--num-processes", str(n), "--process-id", str(i), "--tokens",
+           "16", "--iters", "2", "--warmup", "1", "--out", out], cwd=ROOT, env=env,
+          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)]
+      outs = []
+      for p in procs:
+        try:
+          outs.append(p.communicate(timeout=300))
+        except subprocess.TimeoutExpired:
+          for q in procs:
+            q.kill()
+          raise
+      for p, (stdout, stderr) in zip(procs, outs):
+        self.assertEqual(p.returncode, 0, stdout[-2000:] + stderr[-3000:])
+      with open(os.path.join(out, "layer-cpu.json")) as f:
+        result = json.load(f)
+    self.assertEqual((result["meta"]["processes"], result["meta"]["devices"]), (2, 2))
+    rows = {r["path"]: r for r in result["results"]}
+    self.assertEqual(set(rows), {"engine:xla", "native:layer(cf=1.25)"})
+    for name, row in rows.items():
+      self.assertNotIn("failed", row, name)
+      self.assertLessEqual(row["max_rel_err"], 1e-2, name)
+    self.assertIn("engine:xla", outs[0][0])  # process 0 prints the table
+    self.assertNotIn("engine:xla  ", outs[1][0])
 
 
 if __name__ == "__main__":
