@@ -1,10 +1,15 @@
-"""One gemm1 launch at a benchmark shape (R = 1, bf16 out), the target of Nsight Compute in
+"""One gemm1 launch at a benchmark shape (bf16 out), the target of Nsight Compute in
 bench/device/profile_gemm1.sh:
   ncu -k regex:gemm1 --launch-count 1 --set full python3 bench/gemm1_profile.py dsv3 4096
+  ncu ... python3 bench/gemm1_profile.py dsv3 --rows 32768 --experts 128   # the GEMM1 study's rows
 
-The rows are landed by reference.dispatch (no dispatch kernel runs), so the only CUDA kernels
-launched are the quantisation's and this gemm1."""
+With TOKENS: R = 1, the rows landed by reference.dispatch (no dispatch kernel runs), so the only
+CUDA kernels launched are the quantisation's and this gemm1. With --rows: the rows of
+bench/run.py --gemm1-rows (bench/inputs.gemm1_inputs: spread evenly over --experts local experts,
+T x R entries as there)."""
 import argparse
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -17,21 +22,41 @@ p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 p.add_argument("shape", nargs="?", default="dsv3", help="a jax_sdma_moe.SHAPES name")
 p.add_argument("tokens", nargs="?", type=int, default=4096)
 p.add_argument("--row-align", type=int, default=128)
+p.add_argument("--rows", help="rows (or TxR) as bench/run.py --gemm1-rows, instead of TOKENS")
+p.add_argument("--experts", type=int, help="with --rows: local experts (default E/2)")
 a = p.parse_args()
 
-s, T = jsm.SHAPES[a.shape], a.tokens
-E, K, H, I = s.num_experts, s.topk, s.hidden, s.intermediate
-rng = np.random.default_rng(0)
-w1q = jax.jit(jsm.quantize_w1)(
-    jax.random.normal(jax.random.key(0), (E, 2 * I, H), jnp.bfloat16) * 0.02)
-x = jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16)
-ids = jnp.asarray(np.stack([rng.permutation(E)[:K] for _ in range(T)]), jnp.int32)
-cap = layout.m_cap(1, T, K, E, a.row_align)
-landed = jax.jit(reference.dispatch, static_argnums=(3, 4, 5))(
-    jax.tree.map(lambda t: t[None], jsm.quantize(x)), ids[None], jnp.ones((1, T, K)), E,
-    a.row_align, cap)
+s = jsm.SHAPES[a.shape]
 options = primitives.Gemm1Options(swiglu_limit=s.swiglu_limit, out_dtype="bf16")
 gemm1 = jax.jit(lambda v, sc, o, c, w: primitives.gemm1(v, sc, o, c, w, options=options))
-h = jax.block_until_ready(gemm1(landed.values[0], landed.scales[0], landed.expert_offsets[0],
-                                landed.expert_counts[0], w1q))
-print(f"gemm1 done: {a.shape} T={T}, h {h.shape} {h.dtype}")
+
+
+def study_rows():
+  """The landed rows and w1q of bench/run.py --gemm1-rows."""
+  sys.path.append(str(Path(__file__).resolve().parent.parent))  # bench/ as a package, after jsm
+  from bench import inputs
+  counts = inputs.balanced_counts(inputs.study_rows(a.rows, s),
+                                  a.experts or s.num_experts // inputs.STUDY_RANKS)
+  landed, w1q = inputs.gemm1_inputs(s, counts, a.row_align, jax.random.key(0))
+  return landed, w1q, f"{int(counts.sum())} rows over {len(counts)} experts"
+
+
+def dispatched_rows():
+  """TOKENS tokens of R = 1 routed over all E experts, landed by reference.dispatch, and w1q."""
+  E, K, H, I, T = s.num_experts, s.topk, s.hidden, s.intermediate, a.tokens
+  rng = np.random.default_rng(0)
+  w1q = jax.jit(jsm.quantize_w1)(
+      jax.random.normal(jax.random.key(0), (E, 2 * I, H), jnp.bfloat16) * 0.02)
+  x = jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16)
+  ids = jnp.asarray(np.stack([rng.permutation(E)[:K] for _ in range(T)]), jnp.int32)
+  cap = layout.m_cap(1, T, K, E, a.row_align)
+  landed = jax.jit(reference.dispatch, static_argnums=(3, 4, 5))(
+      jax.tree.map(lambda t: t[None], jsm.quantize(x)), ids[None], jnp.ones((1, T, K)), E,
+      a.row_align, cap)
+  rows = (landed.values[0], landed.scales[0], landed.expert_offsets[0], landed.expert_counts[0])
+  return rows, w1q, f"T={T}"
+
+
+landed, w1q, what = study_rows() if a.rows else dispatched_rows()
+h = jax.block_until_ready(gemm1(*landed, w1q))
+print(f"gemm1 done: {a.shape} {what}, h {h.shape} {h.dtype}")

@@ -3,6 +3,7 @@
 # reference): the full report, its details page, a per-SASS-line CSV, and the headline metrics.
 # Usage, from the repository root:
 #   bash bench/device/profile_gemm1.sh [--timeout S] [SHAPE [TOKENS]]  (default: dsv3 4096, 240 s)
+#   bash bench/device/profile_gemm1.sh dsv3 --rows 32768 --experts 128  (the GEMM1 study's rows)
 # Files in $OUT: gemm1.ncu-rep, gemm1-details.txt, gemm1-sass.csv, profile.log.
 source "$(dirname "$0")/common.sh"
 take_options 240 "$@"
