@@ -192,6 +192,26 @@ def free_port():
     return sock.getsockname()[1]
 
 
+def run_bench_processes(n: int, flags, timeout: float):
+  """bench/run.py in n processes started with --coordinator, --num-processes, --process-id (the
+  mode `mpirun -n n` runs, without Open MPI), one CPU device each, with `flags` (--out among them);
+  [(returncode, stdout, stderr)] per process. Kills them all when one runs past `timeout`."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  port = free_port()
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  procs = [subprocess.Popen(
+      [sys.executable, os.path.join(root, "bench", "run.py"), "--coordinator", f"localhost:{port}",
+       "--num-processes", str(n), "--process-id", str(i), *flags], cwd=root, env=env,
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)]
+  try:
+    outs = [p.communicate(timeout=timeout) for p in procs]
+  except subprocess.TimeoutExpired:
+    for q in procs:
+      q.kill()
+    raise
+  return [(p.returncode, *o) for p, o in zip(procs, outs)]
+
+
 def run_processes(tc, script, n, seed, timeout, env_of=lambda i: {}):
   """Runs `python script PROCESS_ID n PORT SEED` n times at once (jax.distributed over a fresh
   local port); each must exit 0 and print 'OK rank <id>'."""

@@ -23,25 +23,16 @@ class BenchMultiProcessTest(parameterized.TestCase):
       # the --gpu mode (device-made inputs, sampled checks on every rank), here on CPU devices
       ("gpu_mode_on_cpu", ("--gpu", "--platform", "cpu", "--shapes", "small"), "gpu-cpu-x2-mp"))
   def test_two_processes(self, flags, stem):
-    n, port = 2, _util.free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    n = 2
     with tempfile.TemporaryDirectory() as out:
-      procs = [subprocess.Popen(
-          [sys.executable, os.path.join(ROOT, "bench", "run.py"), "--coordinator",
-           f"localhost:{port}", "--num-processes", str(n), "--process-id", str(i), "--tokens", "16",
-           "--iters", "2", "--warmup", "1", "--out", out, *flags], cwd=ROOT, env=env,
-          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)]
-      outs = []
-      for p in procs:
-        try:
-          outs.append(p.communicate(timeout=180))
-        except subprocess.TimeoutExpired:
-          for q in procs:
-            q.kill()
-          self.fail("multi-process bench timed out")
-      for i, (p, (stdout, stderr)) in enumerate(zip(procs, outs)):
-        self.assertEqual(p.returncode, 0,
-                         f"process {i} failed:\n{stdout[-2000:]}\n{stderr[-3000:]}")
+      try:
+        outs = _util.run_bench_processes(
+            n, ["--tokens", "16", "--iters", "2", "--warmup", "1", "--out", out, *flags], 180)
+      except subprocess.TimeoutExpired:
+        self.fail("multi-process bench timed out")
+      for i, (rc, stdout, stderr) in enumerate(outs):
+        self.assertEqual(rc, 0, f"process {i} failed:\n{stdout[-2000:]}\n{stderr[-3000:]}")
+      outs = [o[1:] for o in outs]
       self.assertIn("engine:xla", outs[0][0])        # process 0 prints the table
       self.assertNotIn("engine:xla", outs[1][0])     # the others do not
       with open(os.path.join(out, f"{stem}.json")) as f:
