@@ -43,13 +43,29 @@ struct CudaEngines {
   }
 };
 
-// The GEMM's weights and h outputs (rets[0], and rets[1] for MX-fp8 scales).
-// The GEMM's weights and h outputs (gpu_handlers.h), and the CUDA kernels' limit on experts.
+// The GEMM's weights and h outputs (gpu_handlers.h), the CUDA kernels' limit on experts, and the
+// workspace results that follow h (jax_sdma_moe/layout.py gemm1_workspace: the bf16 rows as bytes
+// and the row-tile flags; empty where the bf16 kernel does not apply).
 ffi::Error gemm1_args(ffi::AnyBuffer w_values, ffi::AnyBuffer w_scales, int64_t H, int64_t m_cap,
                       ffi::RemainingRets& rets, Gemm1Args* g) {
-  JSM_RETURN_IF_ERROR(jsm::gpu_handlers::decode_gemm1(w_values, w_scales, H, m_cap, rets, g));
+  size_t used = 0;
+  JSM_RETURN_IF_ERROR(
+      jsm::gpu_handlers::decode_gemm1(w_values, w_scales, H, m_cap, rets, g, &used));
   if (g->EL > jsm::cuda::gemm1::kMaxExperts)
     return ffi::Error::InvalidArgument("jax_sdma_moe gemm1 (CUDA): more than 1024 local experts");
+  if (rets.size() != used + 2)
+    return ffi::Error::InvalidArgument("jax_sdma_moe gemm1 (CUDA): expected h and 2 workspace results");
+  auto xb = rets.get<ffi::AnyBuffer>(used);
+  auto flags = rets.get<ffi::AnyBuffer>(used + 1);
+  if (!xb.has_value()) return xb.error();
+  if (!flags.has_value()) return flags.error();
+  if ((*xb)->element_count() > 0) {
+    if ((*xb)->size_bytes() != size_t(m_cap * 2 * H))
+      return ffi::Error::InvalidArgument("jax_sdma_moe gemm1 (CUDA): workspace of the wrong size");
+    g->xb = static_cast<uint8_t*>((*xb)->untyped_data());
+    g->xb_ready = static_cast<uint32_t*>((*flags)->untyped_data());
+    g->xb_ready_count = int64_t((*flags)->size_bytes() / sizeof(uint32_t));
+  }
   return ffi::Error::Success();
 }
 

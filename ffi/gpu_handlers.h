@@ -137,11 +137,12 @@ ffi::Error decode_gemm1_rows(ffi::AnyBuffer a_values, ffi::AnyBuffer a_scales,
   return ffi::Error::Success();
 }
 
-// The GEMM's weights, sizes and h outputs (rets[0], and rets[1] for MX-fp8 scales) into the
-// platform's GEMM arguments G (members w, w_scales, EL, I, H, m_cap, h_bf16, h_values, h_scales).
+// The GEMM's weights, sizes and h outputs (rets[0]: bf16 h, or MX-fp8 values with rets[1] its
+// scales) into the platform's GEMM arguments G (members w, w_scales, EL, I, H, m_cap, h_bf16,
+// h_values, h_scales). *used: how many of rets h took (a platform's workspace may follow).
 template <class G>
 ffi::Error decode_gemm1(ffi::AnyBuffer w_values, ffi::AnyBuffer w_scales, int64_t H,
-                        int64_t m_cap, ffi::RemainingRets& rets, G* g) {
+                        int64_t m_cap, ffi::RemainingRets& rets, G* g, size_t* used = nullptr) {
   JSM_RETURN_IF_ERROR(check_dtype(w_values, ffi::DataType::F8E4M3FN, "gemm1 weights"));
   const auto wd = w_values.dimensions();
   g->w = ptr<uint8_t>(w_values);
@@ -152,10 +153,11 @@ ffi::Error decode_gemm1(ffi::AnyBuffer w_values, ffi::AnyBuffer w_scales, int64_
   g->m_cap = m_cap;
   auto h = rets.get<ffi::AnyBuffer>(0);
   if (!h.has_value()) return h.error();
-  if (rets.size() == 1) {
-    JSM_RETURN_IF_ERROR(check_dtype(**h, ffi::DataType::BF16, "gemm1 output"));
+  if (used) *used = (*h)->element_type() == ffi::DataType::BF16 ? 1 : 2;
+  if ((*h)->element_type() == ffi::DataType::BF16) {
     g->h_bf16 = static_cast<uint16_t*>((*h)->untyped_data());
   } else {
+    JSM_RETURN_IF_ERROR(check_dtype(**h, ffi::DataType::F8E4M3FN, "gemm1 output"));
     auto sc = rets.get<ffi::AnyBuffer>(1);
     if (!sc.has_value()) return sc.error();
     g->h_values = static_cast<uint8_t*>((*h)->untyped_data());

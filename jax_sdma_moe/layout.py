@@ -22,6 +22,16 @@ def send_rows(tokens: int, topk: int) -> int:
   return tokens * topk
 
 
+def gemm1_workspace(cap: int, hidden: int, intermediate: int, experts_per_rank: int):
+  """The CUDA gemm1's workspace (DESIGN §5), as ((shape, dtype), ...): the landed rows upcast to
+  bf16 once per call ([cap, 2*hidden] bytes) and one flag per row tile of 128 rows (cap // 128 +
+  experts_per_rank: kernels/cuda/gemm1/args.h bf16_row_tiles_bound). Empty where the bf16 kernel
+  does not apply (hidden % 512 or intermediate % 64 not zero)."""
+  if hidden % 512 or intermediate % 64:
+    return ((0,), jnp.uint8), ((0,), jnp.uint32)
+  return ((cap, 2 * hidden), jnp.uint8), ((cap // 128 + experts_per_rank,), jnp.uint32)
+
+
 class Layout(NamedTuple):
   offsets: jnp.ndarray   # [..., EL] start of each local expert, clipped to m_cap
   counts: jnp.ndarray    # [..., EL] rows kept (clipped so none lies at or past m_cap)

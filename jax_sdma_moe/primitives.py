@@ -18,7 +18,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from .layout import BLOCK
+from .layout import BLOCK, gemm1_workspace
 from .types import MXFP8, Landed, Route, SendBuffer
 
 F8 = jnp.float8_e4m3fn
@@ -119,8 +119,11 @@ def _aval(shape, dtype):
   return jax.core.ShapedArray(tuple(int(s) for s in shape), dtype)
 
 
-def _make(stage: str, abstract_eval, attrs=lambda params: {}, graph_target: bool = False):
-  """The primitive of one stage. attrs(params) -> the FFI attributes of a lowering."""
+def _make(stage: str, abstract_eval, attrs=lambda params: {}, graph_target: bool = False,
+          cuda_workspace=None):
+  """The primitive of one stage. attrs(params) -> the FFI attributes of a lowering.
+  cuda_workspace(*avals_in, **params) -> ((shape, dtype), ...): results the CUDA handler writes as
+  scratch after the primitive's own, allocated by XLA and dropped at lowering."""
   prim = Primitive(TARGET_PREFIX + stage)
   prim.multiple_results = True
   prim.def_abstract_eval(abstract_eval)
@@ -135,8 +138,14 @@ def _make(stage: str, abstract_eval, attrs=lambda params: {}, graph_target: bool
   def lowering(ctx, *args, **params):
     return rules[bool(params.get("graph", False))](ctx, *args, **attrs(params))
 
+  def cuda_lowering(ctx, *args, **params):
+    extra = tuple(_aval(shape, dtype) for shape, dtype in cuda_workspace(*ctx.avals_in, **params))
+    ctx_ws = ctx.replace(avals_out=(*ctx.avals_out, *extra))
+    return lowering(ctx_ws, *args, **params)[:len(ctx.avals_out)]
+
   for platform in LOWERING_PLATFORMS:
-    mlir.register_lowering(prim, lowering, platform=platform)
+    rule = cuda_lowering if cuda_workspace and platform == "cuda" else lowering
+    mlir.register_lowering(prim, rule, platform=platform)
   return prim
 
 
@@ -229,7 +238,10 @@ def _gemm1_abstract(values, scales, offsets, counts, w_values, w_scales, *, opti
   return _h_avals(values.shape[0], w_values.shape[1] // 2, options.out_dtype)
 
 
-_gemm1_p = _make("gemm1", _gemm1_abstract, lambda p: {"gemm1": p["options"].ffi_attr()})
+_gemm1_p = _make("gemm1", _gemm1_abstract, lambda p: {"gemm1": p["options"].ffi_attr()},
+                 cuda_workspace=lambda values, scales, offsets, counts, w_values, w_scales, **_:
+                 gemm1_workspace(values.shape[0], values.shape[1], w_values.shape[1] // 2,
+                                 w_values.shape[0]))
 
 
 def _h(outs, options: Gemm1Options):
@@ -254,7 +266,10 @@ def _dispatch_gemm1_abstract(values, scales, token, slot, weight, send_counts, r
 _dispatch_gemm1_p = _make(
     "dispatch_gemm1", _dispatch_gemm1_abstract,
     lambda p: {"dispatch": p["options"].ffi_attr(), "gemm1": p["gemm1_options"].ffi_attr()},
-    graph_target=True)
+    graph_target=True,
+    cuda_workspace=lambda values, scales, token, slot, weight, send_counts, rank, w_values,
+    w_scales, *, cap, **_: gemm1_workspace(cap, values.shape[1], w_values.shape[1] // 2,
+                                           w_values.shape[0]))
 
 
 def dispatch_gemm1(send: SendBuffer, send_counts: jax.Array, rank: jax.Array, w1, *, cap: int,

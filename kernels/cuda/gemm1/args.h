@@ -18,6 +18,11 @@ constexpr int kMaxExperts = 1024;  // the tile scheduler's prefix lives in share
 // row of the wgmma kernel; measured 5-20% faster than 8 for the mma.sync kernel on an H200).
 constexpr int KB = 4;
 
+// The row tiles (kBf16TileTokens rows) of a call can number at most this: sum over experts of
+// ceil(count / 128) with the counts summing to at most m_cap. jax_sdma_moe/layout.py's
+// gemm1_workspace sizes the flags by the same rule.
+constexpr int64_t bf16_row_tiles_bound(int64_t m_cap, int EL) { return m_cap / 128 + EL; }
+
 struct Gemm1Args {
   const uint8_t* a;         // [m_cap, H] e4m3
   const uint8_t* a_scales;  // [m_cap, H/32] e8m0
@@ -33,6 +38,12 @@ struct Gemm1Args {
   uint16_t* h_bf16;    // [m_cap, I] or null
   uint8_t* h_values;   // [m_cap, I] or null (mxfp8 output)
   uint8_t* h_scales;   // [m_cap, I/32]
+  // The bf16 kernel's workspace (null: that kernel does not run): the landed rows upcast to bf16
+  // once per call, [m_cap, H] in the kernel's K order, and one flag per row tile, zeroed at launch
+  // (xb_ready_count >= bf16_row_tiles_bound(m_cap, EL)).
+  uint8_t* xb;
+  uint32_t* xb_ready;
+  int64_t xb_ready_count;
   // Fused with a dispatch (engines ce, sm): the call's epoch is *epoch_counter (on the device, so
   // a replayed CUDA graph reads the right one); the rows are the landing slot of its parity, and
   // expert e's rows may be read once slot_arrival[parity][e * arrival_ranks + s] has reached the

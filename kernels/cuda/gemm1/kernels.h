@@ -21,15 +21,14 @@ constexpr int kTmaABoxRows = 16;
 void launch_sm90_tma_ws(const Gemm1Args& g, const CUtensorMap& map_a0, const CUtensorMap& map_a1,
                         const CUtensorMap& map_b, int grid, cudaStream_t stream);
 
-// sm90_mx_bf16_rs.cu: exact MX through bf16 wgmma, weights upcast in registers, tokens upcast into
-// shared memory by the producer (H % 512 == 0, I % 64 == 0). Tiles of kBf16TileTokens tokens x
-// kBf16TileCols output columns. Its TMA maps (row-major byte matrices; fused with a dispatch, the
-// token maps are one per landing-slot parity, else both the same):
+// sm90_mx_bf16_rs.cu: exact MX through bf16 wgmma, weights upcast in registers, tokens upcast once
+// per call into the workspace g.xb (H % 512 == 0, I % 64 == 0). Tiles of kBf16TileTokens tokens x
+// kBf16TileCols output columns. Its TMA maps (row-major byte matrices):
 struct Bf16RsMaps {
-  CUtensorMap x[2];         // the landed rows [m_cap, H]: boxes kTmaXBoxRows x 64 B, 64-byte swizzle
-  CUtensorMap x_scales[2];  // their scales [m_cap, H / 32]: boxes kTmaXBoxRows x 16 B
-  CUtensorMap w;            // w1 [EL * 2I, H]: boxes 64 x 64 B, 64-byte swizzle
-  CUtensorMap w_scales;     // [EL * 2I, H / 32]: boxes 64 x 16 B
+  CUtensorMap xb;        // the workspace's bf16 rows [m_cap, 2H bytes]: boxes kTmaXBoxRows x 128 B,
+                         // 128-byte swizzle
+  CUtensorMap w;         // w1 [EL * 2I, H]: boxes 64 x 64 B, 64-byte swizzle
+  CUtensorMap w_scales;  // [EL * 2I, H / 32]: boxes 64 x 16 B
 };
 constexpr int kBf16TileTokens = 128, kBf16TileCols = 128, kTmaXBoxRows = 16;
 void launch_sm90_mx_bf16_rs(const Gemm1Args& g, const Bf16RsMaps& maps, int grid,

@@ -66,21 +66,19 @@ std::string launch_gemm1(Gemm1Args g, int grid, cudaStream_t stream, const Gemm1
   g.scales_aligned = scales_aligned(g, KB);
   const uint8_t* rows0 = g.epoch_counter ? g.slot_values[0] : g.a;
   const uint8_t* rows1 = g.epoch_counter ? g.slot_values[1] : g.a;
-  const uint8_t* scales0 = g.epoch_counter ? g.slot_scales[0] : g.a_scales;
-  const uint8_t* scales1 = g.epoch_counter ? g.slot_scales[1] : g.a_scales;
   const auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   // TMA: 16-byte aligned bases and row strides (H / 32 a multiple of 16)
-  if (g.H % 512 == 0 && g.I % 64 == 0 && aligned16(scales0) && aligned16(scales1) &&
-      aligned16(g.w_scales)) {
+  if (g.H % 512 == 0 && g.I % 64 == 0 && g.xb != nullptr && aligned16(g.w_scales) &&
+      aligned16(rows0) && aligned16(rows1)) {
+    if (g.xb_ready_count < bf16_row_tiles_bound(g.m_cap, g.EL))
+      return "jax_sdma_moe gemm1: the workspace has too few row-tile flags";
     Bf16RsMaps maps;
     const int64_t w_rows = int64_t(g.EL) * 2 * g.I, HS = g.H / kBlock;
-    err = tensor_map(&maps.x[0], rows0, g.H, g.m_cap, kTmaXBoxRows, 64);
-    if (err.empty()) err = tensor_map(&maps.x[1], rows1, g.H, g.m_cap, kTmaXBoxRows, 64);
-    if (err.empty()) err = tensor_map(&maps.x_scales[0], scales0, HS, g.m_cap, kTmaXBoxRows, 16);
-    if (err.empty()) err = tensor_map(&maps.x_scales[1], scales1, HS, g.m_cap, kTmaXBoxRows, 16);
+    err = tensor_map(&maps.xb, g.xb, 2 * g.H, g.m_cap, kTmaXBoxRows, 128);
     if (err.empty()) err = tensor_map(&maps.w, g.w, g.H, w_rows, 64, 64);
     if (err.empty()) err = tensor_map(&maps.w_scales, g.w_scales, HS, w_rows, 64, 16);
     if (!err.empty()) return err;
+    cudaMemsetAsync(g.xb_ready, 0, size_t(g.xb_ready_count) * sizeof(uint32_t), stream);
     launch_sm90_mx_bf16_rs(g, maps, grid, stream);
   } else if (g.H % 128 == 0) {
     CUtensorMap map_a0, map_a1, map_b;

@@ -61,15 +61,14 @@ struct TileSchedulerFor {
 
   __device__ __forceinline__ int total(const Gemm1Args& g) const { return tile_start[g.EL]; }
 
-  // Warp 0 waits (bounded) until every source's rows of expert e have landed, lane s reading
-  // source s's signal, so all signals come in one round trip per poll; the caller's next barrier
-  // releases the rest of the block (every thread of warp 0 must call this). `ready` caches the
-  // last expert seen complete.
-  static __device__ __forceinline__ void wait_arrival(const Gemm1Args& g, int e, int& ready) {
+  // One warp (every lane calls this, `lane` its lane) waits (bounded) until every source's rows of
+  // expert e have landed, lane s reading source s's signal, so all signals come in one round trip
+  // per poll; the caller's next barrier releases the threads that read the rows. `ready` caches
+  // the last expert seen complete.
+  static __device__ __forceinline__ void wait_arrival(const Gemm1Args& g, int e, int& ready,
+                                                      int lane) {
     if (!g.arrival || e == ready) return;
     ready = e;
-    if (threadIdx.x >= kWarp) return;
-    const int lane = int(threadIdx.x);
     const bool mine = lane < g.arrival_ranks;  // kMaxRanks <= kWarp: one source per lane
     const uint32_t* flags = g.arrival + int64_t(e) * g.arrival_ranks;
     const uint64_t deadline = globaltimer_ns() + g.timeout_ns;

@@ -158,7 +158,8 @@ __global__ void __launch_bounds__(THREADS, 1) sm80_mma_kernel(const Gemm1Args g_
   int ready = -1;
   for (int w = blockIdx.x; w < total; w += gridDim.x) {
     const Tile t = sched.tile(g, w);
-    TileScheduler::wait_arrival(g, t.e, ready);  // released by the __syncthreads below
+    if (threadIdx.x < kWarp)  // released by the __syncthreads below
+      TileScheduler::wait_arrival(g, t.e, ready, int(threadIdx.x));
 
     float acc[2][8][4];
 #pragma unroll

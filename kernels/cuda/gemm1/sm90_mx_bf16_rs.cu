@@ -9,15 +9,16 @@
 // - weights are the M side of `wgmma` and come from registers: each consumer warpgroup owns 64 gate
 //   + 64 up weight rows (the same 64 output columns, so SwiGLU pairs accumulators of one thread),
 //   loads its fragments as fp8 from shared memory and upcasts them (upcast4) just before issuing;
-// - tokens are the N side (64 or 128 per tile, one wgmma shape: issue_block) and come from shared
-//   memory as bf16: in the producer warpgroup a loader warp brings fp8 rows, weights and scales by
-//   TMA, and three transform warps upcast the token rows into a second ring (dequantised, K
-//   permuted to match the register fragments, 128-byte swizzle) and turn the weights' scales into
-//   bf16 factors.
-// Rings: A (TMA: weights and fp8 token rows; SA deep), the scales (two super-stages of
-// kScaleStages stages) and B (bf16 token rows and weight factors; SB deep). Consumers free A as
-// soon as their fragments are in registers, B once the stage's wgmma have retired.
-// Fused with a dispatch (g.arrival), the loader waits for each expert's rows before its loads.
+// - tokens are the N side (128 per tile) and come from shared memory as bf16, upcast ONCE per call
+//   into the workspace (g.xb) by the producer warpgroup's three transform warps, each CTA taking
+//   row tiles round-robin (every column tile of a row tile reads the same bf16 rows: upcasting in
+//   each tile cost 16x the work and starved the consumers, docs/PERF.md §3). A row tile's flag
+//   (g.xb_ready) releases it to the loaders of every CTA;
+// - the loader warp brings, stage by stage, fp8 weight rows and bf16 token rows by TMA into one
+//   ring, and every kScaleStages stages the weights' scales.
+// Consumers turn the weights' scale bytes into bf16 factors themselves and free a stage once its
+// wgmma have retired. Fused with a dispatch (g.arrival), a row tile is upcast once its expert's
+// rows have landed, so each expert still starts as soon as its rows are there.
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -34,44 +35,37 @@ namespace cuda {
 namespace gemm1 {
 namespace sm90_bf16 {
 
-constexpr int TOK = kBf16TileTokens;  // tokens per tile (wgmma N at most)
+constexpr int TOK = kBf16TileTokens;  // tokens per tile (wgmma N)
 constexpr int COLS = kBf16TileCols;   // output columns per tile: 64 per consumer warpgroup
 constexpr int WROWS = 2 * COLS;       // weight rows per tile
 constexpr int KS = 64;                // K per stage: two MX blocks, one 64-byte fp8 row
-constexpr int SA = 4, SB = 3;
-// Scales come by TMA in super-stages of kScaleStages stages (16 scale bytes per row, the smallest
-// TMA box), two super-stages deep.
+constexpr int STAGES = 5;
+// Weight scales come by TMA in super-stages of kScaleStages stages (16 scale bytes per row, the
+// smallest TMA box), two super-stages deep.
 constexpr int kScaleStages = 8, kScaleBytes = kScaleStages * KS / kBlock;
 constexpr int THREADS = 384;  // producer warpgroup + two consumer warpgroups
+constexpr int kTransformThreads = 96;  // warps 1-3 of the producer warpgroup
 constexpr int kEpiStride = 68;  // floats per staged token row: 8 * tig + g spreads a warp's stores
 static_assert(TOK == 128 && COLS == 128, "two 64-token halves; two consumer warpgroups");
 
-// Ring A, filled by TMA (fp8, 64-byte swizzle: 16-byte chunk c of row r at c ^ ((r >> 1) & 3)).
-// Weight row r: consumer warpgroup r / 128, gate (r % 128 < 64) or up, output column
-// n0 + 64 * (r / 128) + r % 64.
-struct alignas(1024) StageA {
+// One stage of the ring, filled by TMA.
+// w: fp8 weight rows, 64-byte swizzle (16-byte chunk c of row r at c ^ ((r >> 1) & 3)); row r:
+//    consumer warpgroup r / 128, gate (r % 128 < 64) or up, output column n0 + 64 * (r / 128) + r % 64.
+// x: bf16 token rows (the workspace's K order, see upcast_block), 128-byte swizzle: the K-major
+//    layout of wgmma's B descriptor.
+struct alignas(1024) Stage {
   uint8_t w[WROWS * KS];
-  uint8_t x[TOK * KS];
-  int rows;  // the tile's valid token rows
+  uint8_t x[TOK * 2 * KS];
 };
-// One super-stage's e8m0 scale bytes: weight rows (as in StageA) and token rows.
+// One super-stage's e8m0 scale bytes of the weight rows (as in Stage).
 struct alignas(128) ScaleStage {
   uint8_t w[WROWS][kScaleBytes];
-  uint8_t x[TOK][kScaleBytes];
-};
-// Ring B, written by the producer: bf16 token rows, K-major with 128-byte swizzle (the layout of
-// wgmma's B descriptor), and the weight rows' factors (bf16x2, see factor_bf16x2).
-struct alignas(1024) StageB {
-  uint8_t x[TOK * 2 * KS];
-  uint32_t factor[2][WROWS];
-  int slow;  // some weight factor of the stage needs the two-step multiply (fast_scale)
 };
 struct Shared {
-  StageA a[SA];
-  StageB b[SB];
+  Stage s[STAGES];
   ScaleStage scales[2];
   float epi[2][64 * kEpiStride];  // per consumer warpgroup: h of 64 tokens x 64 columns
-  uint64_t loaded[SA], empty_a[SA], full_b[SB], empty_b[SB], scales_loaded[2], scales_empty[2];
+  uint64_t loaded[STAGES], empty[STAGES], scales_loaded[2], scales_empty[2];
 };
 // + the worst alignment pad: dynamic shared memory starts 16-byte aligned at least
 constexpr int kSmemBytes = int(sizeof(Shared)) + 1024 - 16;
@@ -119,85 +113,86 @@ __device__ __forceinline__ void upcast4(uint32_t w, uint32_t factor, bool slow, 
 
 // --- producer warpgroup: a loader warp and three transform warps -----------------------------
 
-constexpr int kTransformThreads = 96;  // warps 1-3 of the producer warpgroup
-
 __device__ __forceinline__ void transform_barrier() {
   asm volatile("bar.sync 1, 96;" ::: "memory");
 }
-// transform_barrier that also returns whether any transform thread passed `p`
-__device__ __forceinline__ bool transform_barrier_or(bool p) {
-  uint32_t r;
-  asm volatile(
-      "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, 1, 96, p;\n"
-      "selp.u32 %0, 1, 0, q;\n}\n"
-      : "=r"(r)
-      : "r"(uint32_t(p))
-      : "memory");
-  return r != 0;
+
+__device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
 }
 
-// The loader warp: stage after stage, once its A slot is free, the TMA loads of weights and token
-// rows; every kScaleStages stages, once a scale slot is free, the scales of the next ones. Lane 0
-// issues; fused with a dispatch, the warp first waits (bounded) for each expert's rows.
+// Row tile rt of the call (row tiles numbered in work-item order) as a Tile (n0 = 0).
+__device__ __forceinline__ Tile row_tile(const Gemm1Args& g, const Scheduler& sched, int rt) {
+  return sched.tile(g, rt * Scheduler::n_tiles(g));
+}
+
+// The loader warp: stage after stage, once its slot is free, the TMA loads of weights and bf16
+// token rows; every kScaleStages stages, once a scale slot is free, the weights' scales of the
+// next ones. Lane 0 issues, after a tile's row tile is flagged upcast (bounded wait).
 __device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared& sh, const Scheduler& sched,
-                                            const CUtensorMap* map_x, const CUtensorMap* map_w,
-                                            const CUtensorMap* map_xs, const CUtensorMap* map_ws,
-                                            int lane) {
-  const int total = sched.total(g), num_k = int(g.H / KS);
-  int ready = -1;
+                                            const CUtensorMap* map_xb, const CUtensorMap* map_w,
+                                            const CUtensorMap* map_ws, int lane) {
+  const int total = sched.total(g), num_k = int(g.H / KS), n_tiles = Scheduler::n_tiles(g);
   uint32_t issued = 0;
   for (int w = blockIdx.x; w < total; w += gridDim.x) {
     const Tile t = sched.tile(g, w);
-    Scheduler::wait_arrival(g, t.e, ready);
+    if (lane == 0) {
+      // the row tile's bf16 rows: transitively bounded (the transform's own waits are: fused,
+      // at most timeout_ns each, and none after the call's first expired), bounded here too; an
+      // expiry is a broken protocol, not a slow peer: fail the launch loudly, never compute on
+      // rows that are not there
+      const uint32_t* flag = g.xb_ready + w / n_tiles;
+      const uint64_t deadline = globaltimer_ns() + (g.timeout_ns ? 2 * g.timeout_ns : 20000000000ull);
+      while (ld_acquire_gpu(flag) == 0)
+        if (globaltimer_ns() > deadline) __trap();
+        else __nanosleep(128);
+      asm volatile("fence.proxy.async.global;" ::: "memory");  // TMA reads what was acquired
+    }
+    __syncwarp();
     const int x_boxes = (t.rows + kTmaXBoxRows - 1) / kTmaXBoxRows;
     const int w_boxes = t.n0 + 64 < g.I ? 4 : 2;  // the second warpgroup's columns exist?
     const int w_row = int(int64_t(t.e) * 2 * g.I + t.n0);
     for (int ks = 0; ks < num_k; ++ks, ++issued) {
-      StageA& A = sh.a[issued % SA];
-      uint64_t* bar = &sh.loaded[issued % SA];
+      Stage& S = sh.s[issued % STAGES];
+      uint64_t* bar = &sh.loaded[issued % STAGES];
       if (ks % kScaleStages == 0) {  // num_k is a multiple of kScaleStages (launch: H % 512 == 0)
         const uint32_t u = issued / kScaleStages;
-        ScaleStage& S = sh.scales[u % 2];
+        ScaleStage& SS = sh.scales[u % 2];
         uint64_t* sbar = &sh.scales_loaded[u % 2];
         mbar_wait(&sh.scales_empty[u % 2], ((u / 2) & 1) ^ 1);
         if (lane == 0) {
-          mbar_arrive_expect_tx(sbar, uint32_t(x_boxes * kTmaXBoxRows + w_boxes * 64) * kScaleBytes);
+          mbar_arrive_expect_tx(sbar, uint32_t(w_boxes * 64 * kScaleBytes));
           const int x0 = ks / kScaleStages * kScaleBytes;
-          for (int i = 0; i < x_boxes; ++i)
-            tma_load_2d(S.x[i * kTmaXBoxRows], map_xs, sbar, x0, int(t.row0) + i * kTmaXBoxRows);
           for (int i = 0; i < w_boxes; ++i)
-            tma_load_2d(S.w[i * 64], map_ws, sbar, x0, w_row + (i & 1) * int(g.I) + (i / 2) * 64);
+            tma_load_2d(SS.w[i * 64], map_ws, sbar, x0, w_row + (i & 1) * int(g.I) + (i / 2) * 64);
         }
       }
-      mbar_wait(&sh.empty_a[issued % SA], ((issued / SA) & 1) ^ 1);
+      mbar_wait(&sh.empty[issued % STAGES], ((issued / STAGES) & 1) ^ 1);
       if (lane == 0) {
-        A.rows = t.rows;
-        mbar_arrive_expect_tx(bar, uint32_t(x_boxes * kTmaXBoxRows + w_boxes * 64) * KS);
+        mbar_arrive_expect_tx(bar, uint32_t(x_boxes * kTmaXBoxRows * 2 * KS + w_boxes * 64 * KS));
         for (int i = 0; i < x_boxes; ++i)
-          tma_load_2d(A.x + i * kTmaXBoxRows * KS, map_x, bar, ks * KS,
+          tma_load_2d(S.x + i * kTmaXBoxRows * 2 * KS, map_xb, bar, ks * 2 * KS,
                       int(t.row0) + i * kTmaXBoxRows);
         for (int i = 0; i < w_boxes; ++i)  // box i: warpgroup i / 2, gate (even) or up rows
-          tma_load_2d(A.w + i * 64 * KS, map_w, bar, ks * KS,
+          tma_load_2d(S.w + i * 64 * KS, map_w, bar, ks * KS,
                       w_row + (i & 1) * int(g.I) + (i / 2) * 64);
       }
     }
   }
 }
 
-// Token row r's MX block blk (32 fp8 bytes of stage A) -> bf16 in stage B. Within each k16 step
-// the K order is the consumers' fragment order: a consumer thread tig reads bytes 8 tig .. 8 tig + 7
-// of a block as words 2 tig (step 0) and 2 tig + 1 (step 1), bytes 0-1 of a word at k = 2 tig,
-// 2 tig + 1 and bytes 2-3 at k = 8 + 2 tig, 9 + 2 tig of its step (the mma A fragment layout).
-__device__ __forceinline__ void upcast_token_block(const StageA& A, StageB& B, uint32_t e, int r,
-                                                   int blk) {
-  const uint32_t x_row = smem_addr(A.x) + r * KS, swz = (r >> 1) & 3;
-  const uint4 in0 = lds128(x_row + (((2 * blk) ^ swz) << 4));
-  const uint4 in1 = lds128(x_row + (((2 * blk + 1) ^ swz) << 4));
+// One MX block of a token row (32 fp8 values in0, in1 and their scale e) -> 64 bytes of bf16 in
+// the workspace. K order: within each k16 step, the consumers' fragment order. A consumer thread tig
+// reads bytes 8 tig .. 8 tig + 7 of a weight block as words 2 tig (step 0) and 2 tig + 1 (step 1),
+// bytes 0-1 of a word at k = 2 tig, 2 tig + 1 and bytes 2-3 at k = 8 + 2 tig, 9 + 2 tig of its step
+// (the mma A fragment layout); so 16-byte chunk q of the output (step q / 2, k 0-7 or 8-15) holds
+// bytes 0-1 (q even) or 2-3 (q odd) of words 2 tig + q / 2, tig = 0..3.
+__device__ __forceinline__ void upcast_block(const uint4& in0, const uint4& in1, uint32_t e,
+                                             uint8_t* dst) {
   const bool slow = !fast_scale(e);
   const uint32_t f = factor_bf16x2(e, slow);
-  // chunk q of the block (8 bf16): step q / 2, k 0-7 (lo) or 8-15 (hi) of words 2 tig + q / 2,
-  // i.e. the 16-byte input chunk c gives steps c's words: step 0 from words 0, 2 (chunk 0), 4, 6
-  const uint32_t b_row = smem_addr(B.x) + r * 2 * KS;
 #pragma unroll
   for (int step = 0; step < 2; ++step) {
     const uint32_t w[4] = {step ? in0.y : in0.x, step ? in0.w : in0.z, step ? in1.y : in1.x,
@@ -205,55 +200,36 @@ __device__ __forceinline__ void upcast_token_block(const StageA& A, StageB& B, u
     uint32_t lo[4], hi[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) upcast4(w[i], f, slow, lo[i], hi[i]);
-    sts128(b_row + (((blk * 4 + 2 * step) ^ (r & 7)) << 4), make_uint4(lo[0], lo[1], lo[2], lo[3]));
-    sts128(b_row + (((blk * 4 + 2 * step + 1) ^ (r & 7)) << 4), make_uint4(hi[0], hi[1], hi[2], hi[3]));
+    reinterpret_cast<uint4*>(dst)[2 * step] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+    reinterpret_cast<uint4*>(dst)[2 * step + 1] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
   }
 }
 
-// The transform warps, stage after stage: weight factors and bf16 token rows into ring B, then B
-// full and A's token rows free. t: 0..95.
-__device__ __forceinline__ void transform_stages(const Gemm1Args& g, Shared& sh,
-                                                 const Scheduler& sched, int t) {
-  const int total = sched.total(g), num_k = int(g.H / KS);
-  const int tiles = total > int(blockIdx.x) ? (total - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x) : 0;
-  const uint32_t stages = uint32_t(tiles) * uint32_t(num_k);
-  for (uint32_t j = 0; j < stages; ++j) {
-    StageA& A = sh.a[j % SA];
-    StageB& B = sh.b[j % SB];
-    const uint32_t u = j / kScaleStages, sk = (j % kScaleStages) * 2;  // the stage's scale bytes
-    const ScaleStage& S = sh.scales[u % 2];
-    if (j % kScaleStages == 0) mbar_wait(&sh.scales_loaded[u % 2], (u / 2) & 1);
-    mbar_wait(&sh.loaded[j % SA], (j / SA) & 1);
-    uint32_t e[3][2];
-    bool slow = false;
-#pragma unroll
-    for (int h = 0; h < 3; ++h) {  // weight rows t, t + 96, t + 192 (< 256)
-      const int r = t + kTransformThreads * h;
-#pragma unroll
-      for (int blk = 0; blk < 2; ++blk) {
-        e[h][blk] = r < WROWS ? S.w[r][sk + blk] : 127;
-        slow |= !fast_scale(e[h][blk]);
-      }
+// The transform warps: row tiles rt = blockIdx.x, + gridDim.x, ... of the call, each once its
+// expert's rows have landed (fused: warp 1 waits, bounded), upcast into the workspace, then
+// flagged for every CTA's loader. t: 0..95.
+__device__ __forceinline__ void transform_row_tiles(const Gemm1Args& g, const Scheduler& sched,
+                                                    int t) {
+  const int row_tiles = sched.total(g) / Scheduler::n_tiles(g), nblk = int(g.H / kBlock);
+  int ready = -1;
+  for (int rt = blockIdx.x; rt < row_tiles; rt += gridDim.x) {
+    const Tile tile = row_tile(g, sched, rt);
+    if (t < kWarp) Scheduler::wait_arrival(g, tile.e, ready, t);
+    transform_barrier();
+    // (row, block) pairs i = t, t + 96, ...; r and blk follow i without a division
+    int r = t / nblk, blk = t % nblk;
+    while (r < tile.rows) {
+      const int64_t at = (tile.row0 + r) * g.H + blk * kBlock;  // the block's first element
+      const uint4* src = reinterpret_cast<const uint4*>(g.a + at);
+      upcast_block(src[0], src[1], g.a_scales[at / kBlock], g.xb + at * 2);
+      blk += kTransformThreads;
+      while (blk >= nblk) blk -= nblk, ++r;
     }
-    slow = transform_barrier_or(slow);
-    mbar_wait(&sh.empty_b[j % SB], ((j / SB) & 1) ^ 1);
-#pragma unroll
-    for (int h = 0; h < 3; ++h) {
-      const int r = t + kTransformThreads * h;
-      if (r < WROWS)
-#pragma unroll
-        for (int blk = 0; blk < 2; ++blk) B.factor[blk][r] = factor_bf16x2(e[h][blk], slow);
-    }
-    if (t == 0) B.slow = slow;
-    const int items = (A.rows + 15) / 16 * 16 * 2;  // (token row, MX block), rows by TMA box
-    for (int i = t; i < items; i += kTransformThreads)
-      upcast_token_block(A, B, S.x[i >> 1][sk + (i & 1)], i >> 1, i & 1);
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // wgmma reads B.x next
+    asm volatile("fence.proxy.async.global;" ::: "memory");  // other CTAs' TMA reads them next
     transform_barrier();
     if (t == 0) {
-      mbar_arrive(&sh.full_b[j % SB]);
-      mbar_arrive(&sh.empty_a[j % SA]);
-      if (j % kScaleStages == kScaleStages - 1) mbar_arrive(&sh.scales_empty[u % 2]);
+      __threadfence();
+      asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(g.xb_ready + rt), "r"(1u) : "memory");
     }
   }
 }
@@ -283,10 +259,11 @@ __device__ __forceinline__ void fence_acc(float (&a)[M]) {
 }
 
 // Weight rows row_g = warp * 16 + g and row_g + 8 of the warpgroup's gate and up halves, block
-// blk: 8 fp8 bytes each (bytes 8 tig .. 8 tig + 7: word 0 is step 0, word 1 step 1), upcast.
+// blk: 8 fp8 bytes each (bytes 8 tig .. 8 tig + 7: word 0 is step 0, word 1 step 1), upcast by
+// factors e (their scale bytes).
 template <bool kSlow>
-__device__ __forceinline__ void load_frags(Frags& f, uint32_t w_base, uint32_t factor_base, int cw,
-                                           int row_g, int tig, int blk) {
+__device__ __forceinline__ void upcast_frags(Frags& f, uint32_t w_base, const uint32_t (&e)[2][2],
+                                             int cw, int row_g, int tig, int blk) {
   const int c = blk * 2 + tig / 2, within = (tig & 1) * 8;
 #pragma unroll
   for (int part = 0; part < 2; ++part) {
@@ -294,12 +271,30 @@ __device__ __forceinline__ void load_frags(Frags& f, uint32_t w_base, uint32_t f
     for (int h = 0; h < 2; ++h) {
       const int r = cw * 128 + part * 64 + row_g + 8 * h;
       const uint2 v = lds64(w_base + r * KS + ((c ^ ((r >> 1) & 3)) << 4) + within);
-      const uint32_t fac = lds32(factor_base + (blk * WROWS + r) * 4);
+      const uint32_t fac = factor_bf16x2(e[part][h], kSlow);
       // A registers: 0 = (row g, k 2tig..), 1 = (row g+8, k 2tig..), 2 = (row g, k 8+2tig..), 3
       upcast4(v.x, fac, kSlow, f.r[part][0][h], f.r[part][0][2 + h]);
       upcast4(v.y, fac, kSlow, f.r[part][1][h], f.r[part][1][2 + h]);
     }
   }
+}
+
+// upcast_frags with the scale bytes of the super-stage `sc` (sk: the stage's first). The two-step
+// multiply (fast_scale) is chosen per warp: both forms give the same bf16 wherever the one-step
+// form applies, so a warp's choice does not change the result.
+__device__ __forceinline__ void load_frags(Frags& f, uint32_t w_base, const ScaleStage& sc, int sk,
+                                           int cw, int row_g, int tig, int blk) {
+  uint32_t e[2][2];
+  bool slow = false;
+#pragma unroll
+  for (int part = 0; part < 2; ++part)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      e[part][h] = sc.w[cw * 128 + part * 64 + row_g + 8 * h][sk + blk];
+      slow |= !fast_scale(e[part][h]);
+    }
+  if (__any_sync(0xFFFFFFFFu, slow)) upcast_frags<true>(f, w_base, e, cw, row_g, tig, blk);
+  else upcast_frags<false>(f, w_base, e, cw, row_g, tig, blk);
 }
 
 // Block blk of one stage: for each k16 step, gate and up rows times both 64-token halves of the
@@ -315,14 +310,10 @@ __device__ __forceinline__ void issue_block(float (&gate)[64], float (&up)[64], 
   fence_acc(up);
   wgmma_fence();
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const uint32_t rows = k0 + half * 64 * 2 * KS;  // tokens 64 * half ..
-#pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      const uint64_t desc = smem_desc_addr(rows + s * 32);
-      wgmma_m64n64k16_bf16_rs(gate + 32 * half, f.r[0][s], desc);
-      wgmma_m64n64k16_bf16_rs(up + 32 * half, f.r[1][s], desc);
-    }
+  for (int s = 0; s < 2; ++s) {
+    const uint64_t desc = smem_desc_addr(k0 + s * 32);
+    wgmma_m64n128k16_bf16_rs(gate, f.r[0][s], desc);
+    wgmma_m64n128k16_bf16_rs(up, f.r[1][s], desc);
   }
   wgmma_commit();
   fence_acc(gate);
@@ -408,7 +399,8 @@ __device__ __forceinline__ void epilogue(const Gemm1Args& g, const Tile& t, floa
 
 // One tile of one consumer warpgroup. `consumed` counts stages of all tiles.
 // Per stage, block 0's fragments are upcast while the previous stage's block 1 computes, and block
-// 1's while block 0 computes; a stage's buffers are released once both its blocks have retired.
+// 1's while block 0 computes; a stage is freed once both its blocks have retired (wgmma reads its
+// token rows), a scale super-stage once its last fragments are in registers.
 // gate, up: [32 * half + the fragment index] for tokens 64 * half ..; f0, f1: the caller's.
 __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared& sh, const Tile& t,
                                              int num_k, uint32_t& consumed, int cw, int tid,
@@ -419,47 +411,40 @@ __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared& sh, con
   const bool active = t.n0 + cw * 64 < g.I;
 #pragma unroll
   for (int i = 0; i < 64; ++i) gate[i] = up[i] = 0.0f;
-  // Ring A (the fp8 weights) is free once both blocks' fragments are in registers; ring B (the
-  // bf16 tokens wgmma reads) once the stage's wgmma have retired. Per warp: every lane has read.
-  auto release_a = [&](uint32_t j) {
+  // per warp: every lane is done with it
+  auto release = [&](uint64_t* bar) {
     __syncwarp();
-    if (lane == 0) mbar_arrive(&sh.empty_a[j % SA]);
-  };
-  auto release = [&](uint32_t j) {
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&sh.empty_b[j % SB]);
+    if (lane == 0) mbar_arrive(bar);
   };
   for (int ks = 0; ks < num_k; ++ks, ++consumed) {
-    StageB& B = sh.b[consumed % SB];
-    mbar_wait(&sh.loaded[consumed % SA], (consumed / SA) & 1);
-    mbar_wait(&sh.full_b[consumed % SB], (consumed / SB) & 1);
+    const uint32_t u = consumed / kScaleStages;
+    const int sk = int(consumed % kScaleStages) * 2;  // the stage's scale bytes
+    const ScaleStage& sc = sh.scales[u % 2];
+    if (sk == 0) mbar_wait(&sh.scales_loaded[u % 2], (u / 2) & 1);
+    mbar_wait(&sh.loaded[consumed % STAGES], (consumed / STAGES) & 1);
     if (active) {
-      const uint32_t w_base = smem_addr(sh.a[consumed % SA].w);
-      const uint32_t factor_base = smem_addr(&B.factor[0][0]), b_base = smem_addr(B.x);
-      const bool slow = B.slow != 0;
+      const uint32_t w_base = smem_addr(sh.s[consumed % STAGES].w);
+      const uint32_t b_base = smem_addr(sh.s[consumed % STAGES].x);
       wgmma_wait<1>();  // block 0 of the previous stage has retired: f0 is free
       fence_frags(f0);
-      if (slow) load_frags<true>(f0, w_base, factor_base, cw, row_g, tig, 0);
-      else load_frags<false>(f0, w_base, factor_base, cw, row_g, tig, 0);
+      load_frags(f0, w_base, sc, sk, cw, row_g, tig, 0);
       issue_block(gate, up, f0, b_base, 0);
-      wgmma_wait<1>();  // the previous stage has retired: f1 and its buffers are free
+      wgmma_wait<1>();  // the previous stage has retired: f1 and its stage are free
       fence_frags(f1);
-      if (ks > 0) release(consumed - 1);
-      if (slow) load_frags<true>(f1, w_base, factor_base, cw, row_g, tig, 1);
-      else load_frags<false>(f1, w_base, factor_base, cw, row_g, tig, 1);
-      release_a(consumed);
+      if (ks > 0) release(&sh.empty[(consumed - 1) % STAGES]);
+      load_frags(f1, w_base, sc, sk, cw, row_g, tig, 1);
       issue_block(gate, up, f1, b_base, 1);
-    } else {
-      release_a(consumed);
-      if (ks > 0) release(consumed - 1);
+    } else if (ks > 0) {
+      release(&sh.empty[(consumed - 1) % STAGES]);
     }
+    if (sk == 2 * (kScaleStages - 1)) release(&sh.scales_empty[u % 2]);
   }
   wgmma_wait<0>();
   fence_frags(f0);
   fence_frags(f1);
   fence_acc(gate);
   fence_acc(up);
-  release(consumed - 1);
+  release(&sh.empty[(consumed - 1) % STAGES]);
   if (active) epilogue(g, t, sh.epi[cw], gate, up, cw, tid, row_g, tig);
 }
 
@@ -467,24 +452,19 @@ __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared& sh, con
 __global__ void __launch_bounds__(THREADS, 1)
     gemm1_sm90_mx_bf16_rs(const Gemm1Args g_in, const __grid_constant__ Bf16RsMaps maps) {
   const Gemm1Args g = resolve_slot(g_in);
-  const int parity = g.epoch_counter ? int(g.epoch & 1) : 0;
   extern __shared__ uint8_t smem_raw[];
   // 1024-aligned (the swizzle patterns), as an offset from smem_raw so that the compiler keeps
   // shared-memory instructions
   Shared& sh = *reinterpret_cast<Shared*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
   __shared__ Scheduler sched;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < SA; ++s) {
+    for (int s = 0; s < STAGES; ++s) {
       mbar_init(&sh.loaded[s], 1);  // lane 0's expect_tx + the TMA bytes
-      mbar_init(&sh.empty_a[s], 8 + 1);     // each consumer warp and the transform
-    }
-    for (int s = 0; s < SB; ++s) {
-      mbar_init(&sh.full_b[s], 1);
-      mbar_init(&sh.empty_b[s], 8);
+      mbar_init(&sh.empty[s], 8);   // each consumer warp
     }
     for (int s = 0; s < 2; ++s) {
       mbar_init(&sh.scales_loaded[s], 1);
-      mbar_init(&sh.scales_empty[s], 1);
+      mbar_init(&sh.scales_empty[s], 8);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -493,10 +473,8 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 88;");
-    if (tid < kWarp)
-      load_stages(g, sh, sched, &maps.x[parity], &maps.w, &maps.x_scales[parity], &maps.w_scales,
-                  tid);
-    else transform_stages(g, sh, sched, tid - kWarp);
+    if (tid < kWarp) load_stages(g, sh, sched, &maps.xb, &maps.w, &maps.w_scales, tid);
+    else transform_row_tiles(g, sched, tid - kWarp);
     return;
   }
 

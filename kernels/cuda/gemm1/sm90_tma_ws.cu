@@ -239,7 +239,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     };
     for (int w = blockIdx.x; w < total; w += gridDim.x) {
       const Tile t = sched.tile(g, w);
-      TileScheduler::wait_arrival(g, t.e, ready);  // warp 0; the barrier below releases the rest
+      if (tid < kWarp)  // warp 0; the barrier below releases the rest
+        TileScheduler::wait_arrival(g, t.e, ready, tid);
       producer_barrier();
       const int b_row = int(int64_t(t.e) * 2 * g.I + t.n0);
       for (int ks = 0; ks < num_k; ++ks, ++issued) {
