@@ -76,6 +76,9 @@ build() {
     note "build: up to date ($hash)"
     return 0
   fi
+  # a clean build tree: the device keeps ignored folders (build/) between calls while the copied
+  # sources may carry older mtimes than its objects, so an incremental build can keep stale code
+  rm -rf "$REPO/build"
   if ! step build 480 python3 -m pip install -v --no-build-isolation --no-deps --no-index .; then
     tail -30 "$OUT/build.log"
     summary
