@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import jax.numpy as jnp
+import numpy as np
 
 BLOCK = 32  # MX block: elements per e8m0 scale
 
@@ -30,6 +31,11 @@ def gemm1_workspace(cap: int, hidden: int, intermediate: int, experts_per_rank: 
   if hidden % 512 or intermediate % 64:
     return ((0,), jnp.uint8), ((0,), jnp.uint32)
   return ((cap, 2 * hidden), jnp.uint8), ((cap // 128 + experts_per_rank,), jnp.uint32)
+
+
+def workspace_bytes(workspace) -> int:
+  """Bytes of a workspace spec ((shape, dtype), ...)."""
+  return sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in workspace)
 
 
 class Layout(NamedTuple):
