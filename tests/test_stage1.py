@@ -90,6 +90,31 @@ class Stage1Test(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "one-rank axis"):
       jsm.Runtime(_util.mesh(2), "ep", cfg)
 
+  @parameterized.parameters(("bf16", 512, 64), ("mxfp8", 512, 64), ("bf16", 256, 128))
+  def test_cuda_lowering_has_the_gemm1_workspace(self, out_dtype, H, I):
+    """Lowered for CUDA (no GPU needed), gemm1 has two scratch results after h (DESIGN §5): the
+    bf16 rows [M_cap, 2H] and the row-tile flags where the bf16 kernel applies (H % 512 == 0,
+    I % 64 == 0), else two empty ones."""
+    r = _util.rng()
+    m = _util.mesh(1)
+    T, E, K = 8, 4, 2
+    x, ids, w, w1q = _util.make_problem(r, 1, T, H, I, E, K)
+    cfg = jsm.Stage1Config(engine="local", out_dtype=out_dtype)
+    with jsm.Runtime(m, "ep", cfg, lowering_platform="cuda") as rt:
+      f = _util.stage1_fn(m, rt)
+      text = f.trace(*_util.shard(m, (x, ids, w)), _util.shard(m, w1q)).lower(
+          lowering_platforms=("cuda",)).as_text()
+    cap = jsm.layout.m_cap(1, T, K, E, cfg.row_align)
+    h_results = 1 if out_dtype == "bf16" else 2
+    call = next(line.strip() for line in text.splitlines() if "@jsm_gemm1(" in line)
+    self.assertRegex(call, rf"^%\w+:{h_results + 2} = stablehlo.custom_call @jsm_gemm1\(")
+    results = call.split("->")[-1]
+    if H % 512 == 0:
+      self.assertIn(f"tensor<{cap}x{2 * H}xui8>", results)
+      self.assertIn(f"tensor<{cap // 128 + E}xui32>", results)
+    else:
+      self.assertIn("tensor<0xui8>", results)
+
   def test_engines_byte_identical(self):
     r = _util.rng()
     m = _util.mesh(R)
