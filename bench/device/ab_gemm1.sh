@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# A/B of kernel variants in one device call: each VARIANT is `base` (the tree as it is) or patch
+# files joined by `+` (paths from the repository root, applied in order with `git apply`); for
+# each, a clean build of the patched sources, then gemm1 alone on the GEMM1 study's rows
+# (bench/run.py --gemm1-rows, peers skipped), and the sources restored. A variant's results are
+# timing only until its tests pass (tests_cuda.sh on the patched tree).
+# Usage, from the repository root:
+#   bash bench/device/ab_gemm1.sh [--timeout S] [--rows ROWS] [--shapes S] [--FLAG VALUE...]
+#                                 VARIANT...   (--FLAG VALUE: more bench/run.py flags)
+#   e.g. bash bench/device/ab_gemm1.sh base scratch/prefetch.patch scratch/a.patch+scratch/b.patch
+# (default --timeout 150 per variant, --rows 128x2,32768, --shapes dsv3). Logs: $OUT/ab-<n>-*.log;
+# the last lines: one `gemm1 alone` row per variant and rows entry.
+source "$(dirname "$0")/common.sh"
+ROWS=128x2,32768
+SHAPES=dsv3
+TIMEOUT=150
+VARIANTS=()
+ARGS=()
+while (($#)); do
+  case $1 in
+    --timeout) TIMEOUT=$2; shift 2 ;;
+    --rows) ROWS=$2; shift 2 ;;
+    --shapes) SHAPES=$2; shift 2 ;;
+    --*) ARGS+=("$1" "$2"); shift 2 ;;  # more bench/run.py flags (with a value)
+    *) VARIANTS+=("$1"); shift ;;
+  esac
+done
+((${#VARIANTS[@]})) || { echo "ab_gemm1.sh: name at least one VARIANT (base, or patches)" >&2; exit 2; }
+
+pristine=$(mktemp -d)
+cp -a kernels ffi jax_sdma_moe "$pristine"/
+restore() { rm -rf kernels ffi jax_sdma_moe && cp -a "$pristine"/{kernels,ffi,jax_sdma_moe} .; }
+TABLE=()
+n=0
+for variant in "${VARIANTS[@]}"; do
+  n=$((n + 1))
+  restore
+  ok=1
+  if [[ $variant != base ]]; then
+    IFS=+ read -ra patches <<< "$variant"
+    for p in "${patches[@]}"; do
+      git apply "$p" > "$OUT/ab-$n-apply.log" 2>&1 || { ok=0; note "$variant: $p does not apply"; }
+    done
+  fi
+  if ((ok)); then
+    rm -rf build  # a clean build of every variant (see common.sh build)
+    if step "ab-$n-build" 480 python3 -m pip install -v --no-build-isolation --no-deps \
+         --no-index .; then
+      cd /tmp  # the installed package, not the checkout's sources
+      step "ab-$n-time" "$TIMEOUT" python3 "$REPO/bench/run.py" --gpu --devices 1 \
+        --gemm1-rows "$ROWS" --experts 128 --shapes "$SHAPES" --skip-peers all --iters 10 \
+        --warmup 2 --out "$OUT/ab-$n" "${ARGS[@]}"
+      cd "$REPO"
+    fi
+    while IFS= read -r line; do TABLE+=("$(printf '%-40s %s' "$variant" "$line")"); done < <(
+        grep "gemm1 alone" "$OUT/ab-$n-time.log")
+  fi
+done
+restore
+rm -f /tmp/jsm-built  # the installed package is the last variant's: later scripts rebuild
+summary
+printf '%-40s %s\n' variant "$(grep -m1 "^shape " "$OUT/ab-1-time.log" 2>/dev/null)"
+printf '%s\n' "${TABLE[@]}"
