@@ -1,5 +1,6 @@
-// XLA FFI handlers of the custom calls (Stage1, Stage2) on the `cpu` platform. Each one checks what it is
-// handed and calls into kernels/cpu; shapes were already validated at trace time in Python.
+// XLA FFI handlers of the custom calls (Stage1, Stage2) on the `cpu` platform. Each one checks
+// what it is handed and calls into kernels/cpu; shapes were already validated at trace time in
+// Python.
 #include "ffi/cpu_handlers.h"
 
 #include <optional>

@@ -54,7 +54,8 @@ ffi::Error gemm1_args(ffi::AnyBuffer w_values, ffi::AnyBuffer w_scales, int64_t 
   if (g->EL > jsm::cuda::gemm1::kMaxExperts)
     return ffi::Error::InvalidArgument("jax_sdma_moe gemm1 (CUDA): more than 1024 local experts");
   if (rets.size() != used + 2)
-    return ffi::Error::InvalidArgument("jax_sdma_moe gemm1 (CUDA): expected h and 2 workspace results");
+    return ffi::Error::InvalidArgument(
+        "jax_sdma_moe gemm1 (CUDA): expected h and 2 workspace results");
   auto xb = rets.get<ffi::AnyBuffer>(used);
   auto flags = rets.get<ffi::AnyBuffer>(used + 1);
   if (!xb.has_value()) return xb.error();

@@ -153,8 +153,9 @@ ffi::Error decode_gemm1(ffi::AnyBuffer w_values, ffi::AnyBuffer w_scales, int64_
   g->m_cap = m_cap;
   auto h = rets.get<ffi::AnyBuffer>(0);
   if (!h.has_value()) return h.error();
-  if (used) *used = (*h)->element_type() == ffi::DataType::BF16 ? 1 : 2;
-  if ((*h)->element_type() == ffi::DataType::BF16) {
+  const bool bf16 = (*h)->element_type() == ffi::DataType::BF16;
+  if (used) *used = bf16 ? 1 : 2;
+  if (bf16) {
     g->h_bf16 = static_cast<uint16_t*>((*h)->untyped_data());
   } else {
     JSM_RETURN_IF_ERROR(check_dtype(**h, ffi::DataType::F8E4M3FN, "gemm1 output"));

@@ -43,8 +43,8 @@ std::string tensor_map(CUtensorMap* map, const void* base, int64_t cols, int64_t
                             strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
                             box_bytes == 128  ? CU_TENSOR_MAP_SWIZZLE_128B
                             : box_bytes == 64 ? CU_TENSOR_MAP_SWIZZLE_64B
-                                              : CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                                              : CU_TENSOR_MAP_SWIZZLE_NONE,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     return "jax_sdma_moe gemm1: cuTensorMapEncodeTiled failed (CUresult " +
            std::to_string(int(r)) + ")";

@@ -64,21 +64,9 @@ __device__ __forceinline__ void wgmma_m64n128k32(float* d, uint64_t desc_a, uint
       : "l"(desc_a), "l"(desc_b));
 }
 
-// d (64 x 64 float32) += A (64 x 16 bf16 from registers: each warp's 16 rows as the mma.m16n8k16 A
-// fragment) * B (64 x 16 bf16, K-major in shared memory, `desc_b`)^T.
-__device__ __forceinline__ void wgmma_m64n64k16_bf16_rs(float* d, const uint32_t (&a)[4],
-                                                        uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-
-// d (64 x 128 float32) += A (64 x 16 bf16 from registers, as above) * B (128 x 16 bf16, K-major in
-// shared memory, `desc_b`)^T. d's fragment i < 32 covers B rows 0-63 in the order of the m64n64 form.
+// d (64 x 128 float32) += A (64 x 16 bf16 from registers: each warp's 16 rows as the mma.m16n8k16
+// A fragment) * B (128 x 16 bf16, K-major in shared memory, `desc_b`)^T. d[4 j + 2 h + c] is row
+// g + 8 h, B row 8 j + 2 tig + c: fragments 0-31 cover B rows 0-63, 32-63 rows 64-127.
 __device__ __forceinline__ void wgmma_m64n128k16_bf16_rs(float* d, const uint32_t (&a)[4],
                                                          uint64_t desc_b) {
   asm volatile(

@@ -297,11 +297,10 @@ __device__ __forceinline__ void load_frags(Frags& f, uint32_t w_base, const Scal
   else upcast_frags<false>(f, w_base, e, cw, row_g, tig, blk);
 }
 
-// Block blk of one stage: for each k16 step, gate and up rows times both 64-token halves of the
-// tile, whatever its rows: one code path. Variants for small tiles (one half; or N = 16, 32) made
-// ptxas serialise every wgmma of the kernel (C7511/C7512: registers), and at 16 rows per expert
-// the full tile's tensor time still hides under the weight stream (2.36 ms for dsv3's 128
-// experts, docs/PERF.md).
+// Block blk of one stage: for each k16 step, gate and up rows times all 128 tokens of the tile
+// (one m64n128 each), whatever its rows: one code path. Variants for small tiles (N = 16, 32, 64)
+// made ptxas serialise every wgmma of the kernel (C7511/C7512: registers); at 16 rows per expert
+// that costs tensor time the tile does not need (docs/PERF.md §3).
 __device__ __forceinline__ void issue_block(float (&gate)[64], float (&up)[64], Frags& f,
                                             uint32_t b_base, int blk) {
   const uint32_t k0 = b_base + blk * 64;
