@@ -4,6 +4,7 @@
 // with ROCm (quantize, route, qpack/pack, dispatch, check_overflow) are ffi/gpu_handlers.h.
 #include <cuda_runtime.h>
 
+#include <optional>
 #include <string>
 
 #include "ffi/cuda_handlers.h"
@@ -13,6 +14,7 @@
 #include "kernels/cuda/ep/engine.h"
 #include "kernels/cuda/gemm1/launch.h"
 #include "kernels/cuda/launch_util.h"
+#include "kernels/cuda/stage2/combine_local.h"
 
 namespace ffi = xla::ffi;
 
@@ -43,26 +45,20 @@ struct CudaEngines {
   }
 };
 
-// The GEMM's weights and h outputs (gpu_handlers.h), the CUDA kernels' limit on experts, and the
-// workspace results that follow h (jax_sdma_moe/layout.py gemm1_workspace: the bf16 rows as bytes
-// and the row-tile flags; empty where the bf16 kernel does not apply).
-ffi::Error gemm1_args(ffi::AnyBuffer w_values, ffi::AnyBuffer w_scales, int64_t H, int64_t m_cap,
-                      ffi::RemainingRets& rets, Gemm1Args* g) {
-  size_t used = 0;
-  JSM_RETURN_IF_ERROR(
-      jsm::gpu_handlers::decode_gemm1(w_values, w_scales, H, m_cap, rets, g, &used));
-  if (g->EL > jsm::cuda::gemm1::kMaxExperts)
-    return ffi::Error::InvalidArgument("jax_sdma_moe gemm1 (CUDA): more than 1024 local experts");
-  if (rets.size() != used + 2)
-    return ffi::Error::InvalidArgument(
-        "jax_sdma_moe gemm1 (CUDA): expected h and 2 workspace results");
-  auto xb = rets.get<ffi::AnyBuffer>(used);
-  auto flags = rets.get<ffi::AnyBuffer>(used + 1);
+// The bf16 kernel's workspace: rets[first] the bf16 rows as bytes [m_cap, 2H], rets[first + 1]
+// the row-tile flags (jax_sdma_moe/layout.py bf16_gemm_workspace; both empty where the kernel
+// does not apply: g->xb stays null).
+ffi::Error decode_workspace(ffi::RemainingRets& rets, size_t first, int64_t m_cap, int64_t H,
+                            Gemm1Args* g) {
+  if (rets.size() != first + 2)
+    return ffi::Error::InvalidArgument("jax_sdma_moe GEMM (CUDA): expected 2 workspace results");
+  auto xb = rets.get<ffi::AnyBuffer>(first);
+  auto flags = rets.get<ffi::AnyBuffer>(first + 1);
   if (!xb.has_value()) return xb.error();
   if (!flags.has_value()) return flags.error();
   if ((*xb)->element_count() > 0) {
     if ((*xb)->size_bytes() != size_t(m_cap * 2 * H))
-      return ffi::Error::InvalidArgument("jax_sdma_moe gemm1 (CUDA): workspace of the wrong size");
+      return ffi::Error::InvalidArgument("jax_sdma_moe GEMM (CUDA): workspace of the wrong size");
     g->xb = static_cast<uint8_t*>((*xb)->untyped_data());
     g->xb_ready = static_cast<uint32_t*>((*flags)->untyped_data());
     g->xb_ready_count = int64_t((*flags)->size_bytes() / sizeof(uint32_t));
@@ -70,7 +66,24 @@ ffi::Error gemm1_args(ffi::AnyBuffer w_values, ffi::AnyBuffer w_scales, int64_t 
   return ffi::Error::Success();
 }
 
-ffi::Error gemm1_error(const std::string& err) {
+ffi::Error check_experts(const Gemm1Args& g) {
+  if (g.EL > jsm::cuda::gemm1::kMaxExperts)
+    return ffi::Error::InvalidArgument("jax_sdma_moe GEMM (CUDA): more than 1024 local experts");
+  return ffi::Error::Success();
+}
+
+// The GEMM's weights and h outputs (gpu_handlers.h), the CUDA kernels' limit on experts, and the
+// workspace results that follow h.
+ffi::Error gemm1_args(ffi::AnyBuffer w_values, ffi::AnyBuffer w_scales, int64_t H, int64_t m_cap,
+                      ffi::RemainingRets& rets, Gemm1Args* g) {
+  size_t used = 0;
+  JSM_RETURN_IF_ERROR(
+      jsm::gpu_handlers::decode_gemm1(w_values, w_scales, H, m_cap, rets, g, &used));
+  JSM_RETURN_IF_ERROR(check_experts(*g));
+  return decode_workspace(rets, used, m_cap, H, g);
+}
+
+ffi::Error launch_error(const std::string& err) {
   return err.empty() ? ffi::Error::Success() : ffi::Error::Internal(err);
 }
 
@@ -82,7 +95,70 @@ ffi::Error Gemm1Impl(cudaStream_t stream, ffi::AnyBuffer a_values, ffi::AnyBuffe
       jsm::gpu_handlers::decode_gemm1_rows(a_values, a_scales, expert_offsets, expert_counts, &g));
   JSM_RETURN_IF_ERROR(gemm1_args(w_values, w_scales, last_dim(a_values), rows_of(a_values), rets,
                                  &g));
-  return gemm1_error(jsm::cuda::gemm1::launch_gemm1(g, jsm::cuda::num_sms(), stream, opt));
+  return launch_error(jsm::cuda::gemm1::launch_gemm1(g, jsm::cuda::num_sms(), stream, opt));
+}
+
+// GEMM2 (Stage2): MX-fp8 rows of h only (jsm.stage2 quantises bf16 h first, with the same §3
+// bytes as the CPU gemm2's own quantisation); y [M_cap, H] bf16, then the workspace.
+ffi::Error Gemm2Impl(cudaStream_t stream, ffi::AnyBuffer h, S32Vec expert_offsets,
+                     S32Vec expert_counts, ffi::AnyBuffer w_values, ffi::AnyBuffer w_scales,
+                     std::optional<ffi::AnyBuffer> h_scales, ffi::Result<ffi::AnyBuffer> y,
+                     ffi::RemainingRets rets) {
+  JSM_RETURN_IF_ERROR(check_dtype(w_values, ffi::DataType::F8E4M3FN, "gemm2 weights"));
+  JSM_RETURN_IF_ERROR(check_dtype(*y, ffi::DataType::BF16, "gemm2 output"));
+  if (!h_scales.has_value())
+    return ffi::Error::InvalidArgument(
+        "jax_sdma_moe gemm2 (CUDA): takes MX-fp8 rows of h (values and scales); quantise bf16 h "
+        "with jax_sdma_moe.primitives.quantize first, as jsm.stage2 does");
+  JSM_RETURN_IF_ERROR(check_dtype(h, ffi::DataType::F8E4M3FN, "gemm2 MX-fp8 rows"));
+  JSM_RETURN_IF_ERROR(check_dtype(*h_scales, ffi::DataType::U8, "gemm2 row scales"));
+  const auto wd = w_values.dimensions();  // [EL, H, I]
+  Gemm1Args g{};
+  g.a = ptr<uint8_t>(h);
+  g.a_scales = ptr<uint8_t>(*h_scales);
+  g.offsets = expert_offsets.typed_data();
+  g.counts = expert_counts.typed_data();
+  g.w = ptr<uint8_t>(w_values);
+  g.w_scales = ptr<uint8_t>(w_scales);
+  g.EL = int(wd[0]);
+  g.I = wd[1];  // the GEMM's output columns: the model's H
+  g.H = wd[2];  // its depth: the model's I
+  g.m_cap = rows_of(h);
+  g.h_bf16 = static_cast<uint16_t*>(y->untyped_data());
+  JSM_RETURN_IF_ERROR(check_experts(g));
+  JSM_RETURN_IF_ERROR(decode_workspace(rets, 0, g.m_cap, g.H, &g));
+  return launch_error(jsm::cuda::gemm1::launch_gemm2(g, jsm::cuda::num_sms(), stream));
+}
+
+// The combine within the rank (engine local; engine xla's sum after its exchange): the CPU
+// backend's arithmetic and bytes (kernels/cuda/stage2/combine_local.h). rets: the (token, slot)
+// index workspace [T * K] int32.
+ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer rows, S32Vec src_rank, S32Vec token,
+                       S32Vec slot, F32Vec weight, S32Scalar rank, ffi::Result<ffi::AnyBuffer> y,
+                       ffi::RemainingRets rets, jsm::DispatchOptions opt, int64_t topk) {
+  if (opt.engine != EngineId::kLocal)
+    return jsm::handler::wrong_engine("combine (CUDA)", opt.engine,
+                                      "engine local (engines ce and sm have no combine yet)");
+  JSM_RETURN_IF_ERROR(check_dtype(rows, ffi::DataType::BF16, "combine rows"));
+  JSM_RETURN_IF_ERROR(check_dtype(*y, ffi::DataType::BF16, "combine output"));
+  const auto yd = y->dimensions();  // [T, H]
+  auto row_of = rets.get<ffi::AnyBuffer>(0);
+  if (rets.size() != 1 || !row_of.has_value())
+    return ffi::Error::InvalidArgument("jax_sdma_moe combine (CUDA): expected 1 workspace result");
+  if ((*row_of)->size_bytes() != size_t(yd[0] * topk) * sizeof(int32_t))
+    return ffi::Error::InvalidArgument("jax_sdma_moe combine (CUDA): workspace of the wrong size");
+  const jsm::cuda::CombineLocalArgs a{static_cast<const uint16_t*>(rows.untyped_data()),
+                                      src_rank.typed_data(),
+                                      token.typed_data(),
+                                      slot.typed_data(),
+                                      weight.typed_data(),
+                                      rows_of(rows),
+                                      yd[0],
+                                      topk,
+                                      yd[1],
+                                      static_cast<int32_t*>((*row_of)->untyped_data()),
+                                      static_cast<uint16_t*>(y->untyped_data())};
+  return launch_error(jsm::cuda::launch_combine_local(a, stream));
 }
 
 // The fused GEMM of engines ce/sm (what gemm_on_slot reads through its context).
@@ -153,3 +229,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmDispatchGemm1GraphCuda, DispatchGemm1Impl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmGemm1Cuda, Gemm1Impl,
                               jsm::sig::gemm1(ffi::Ffi::Bind().Ctx<Stream>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmGemm2Cuda, Gemm2Impl,
+                              jsm::sig::gemm2<true>(ffi::Ffi::Bind().Ctx<Stream>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmCombineCuda, CombineImpl,
+                              jsm::sig::combine<true>(ffi::Ffi::Bind().Ctx<Stream>()));

@@ -51,7 +51,8 @@ PYBIND11_MODULE(_jsm_ffi, m) {
                     {"gemm1", JsmGemm1Cuda}, {"check_overflow", JsmCheckOverflowCuda},
                     {"dispatch_gemm1", JsmDispatchGemm1Cuda},
                     {"dispatch_graph", JsmDispatchGraphCuda},
-                    {"dispatch_gemm1_graph", JsmDispatchGemm1GraphCuda}});
+                    {"dispatch_gemm1_graph", JsmDispatchGemm1GraphCuda},
+                    {"gemm2", JsmGemm2Cuda}, {"combine", JsmCombineCuda}});
   });
 #endif
 #ifdef JSM_WITH_ROCM

@@ -116,23 +116,36 @@ auto gemm1(B b) {
                          .RemainingRets());
 }
 
+// A stage's binding made by `stage()`, then (kWorkspace) the platform's scratch results after its
+// own (CUDA: jax_sdma_moe/primitives.py _make(cuda_workspace=...)). (A Binding cannot be moved:
+// `stage` makes it in place.)
+template <bool kWorkspace, class Stage>
+auto with_workspace(Stage stage) {
+  if constexpr (kWorkspace) return stage().RemainingRets();
+  else return stage();
+}
+
 // y [M_cap, H] bf16 <- h (bf16 [M_cap, I], or MX-fp8 values), expert_offsets, expert_counts,
 // w2 values [EL, H, I], w2 scales, then h scales when h is MX-fp8
-template <class B>
+template <bool kWorkspace = false, class B>
 auto gemm2(B b) {
-  return std::move(b)
-      .template Arg<Any>().template Arg<S32Vec>().template Arg<S32Vec>().template Arg<Any>()
-      .template Arg<Any>().template OptionalArg<Any>().template Ret<Any>();
+  return with_workspace<kWorkspace>([&] {
+    return std::move(b)
+        .template Arg<Any>().template Arg<S32Vec>().template Arg<S32Vec>().template Arg<Any>()
+        .template Arg<Any>().template OptionalArg<Any>().template Ret<Any>();
+  });
 }
 
 // y [T, H] bf16 <- GEMM2's rows [M_cap, H] bf16, src_rank, token, slot, weight (the landed rows'
 // headers), rank; attributes `dispatch` (the engine and its protocol options) and `topk` (K)
-template <class B>
+template <bool kWorkspace = false, class B>
 auto combine(B b) {
-  return dispatch_attrs(std::move(b)
-                            .template Arg<Any>().template Arg<S32Vec>().template Arg<S32Vec>()
-                            .template Arg<S32Vec>().template Arg<F32Vec>().template Arg<S32Scalar>()
-                            .template Ret<Any>())
+  return dispatch_attrs(with_workspace<kWorkspace>([&] {
+           return std::move(b)
+               .template Arg<Any>().template Arg<S32Vec>().template Arg<S32Vec>()
+               .template Arg<S32Vec>().template Arg<F32Vec>().template Arg<S32Scalar>()
+               .template Ret<Any>();
+         }))
       .template Attr<int64_t>("topk");
 }
 

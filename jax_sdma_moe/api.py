@@ -211,11 +211,11 @@ def _check_stage1_output(out1) -> Tuple[int, int, int, int, int]:
   return M, I, EL, *out1.send_pos.shape
 
 
-def stage2_bytes(M: int, T: int, K: int, H: int) -> int:
-  """Device bytes one stage2 call holds per rank at most: GEMM2's rows, the return rows (two
-  parity slots of windows for engine cpu; engine xla's chunks take as much) and y."""
+def stage2_bytes(M: int, T: int, K: int, H: int, I: int) -> int:
+  """Device bytes one stage2 call holds per rank at most: q(h), GEMM2's rows, the return rows
+  (two parity slots of windows for engine cpu; engine xla's chunks take as much) and y."""
   row = 2 * H + 12
-  return M * 2 * H + 3 * T * K * row + T * 2 * H
+  return M * I * (BLOCK + 1) // BLOCK + M * 2 * H + 3 * T * K * row + T * 2 * H
 
 
 def stage2(out1: Stage1Output, w2q: QuantizedW2, *, runtime: Runtime) -> jax.Array:
@@ -235,9 +235,14 @@ def stage2(out1: Stage1Output, w2q: QuantizedW2, *, runtime: Runtime) -> jax.Arr
     raise ValueError(f"stage2: H = {H} must be a multiple of {BLOCK}")
   _check_axis(runtime, "stage2")
   _check_stage2_built(runtime)
+  workspace = (layout.workspace_bytes(layout.gemm2_workspace(M, H, I, EL)) + T * K * 4
+               if runtime.platform == "cuda" else 0)  # (CUDA gemm2's and combine's, DESIGN §5)
   runtime.check_memory(f"stage2 of T = {T} tokens of H = {H} from M_cap = {M} landing rows",
-                       stage2_bytes(M, T, K, H))
-  rows = primitives.gemm2(out1.h, out1.expert_offsets, out1.expert_counts, w2q)
+                       stage2_bytes(M, T, K, H, I) + workspace)
+  # q(h) along I (§3 Stage2) as its own call on every platform: the same bytes as the CPU gemm2's
+  # own quantisation of bf16 rows, and the CUDA gemm2 takes MX-fp8 rows only
+  h = out1.h if isinstance(out1.h, MXFP8) else primitives.quantize(out1.h)
+  rows = primitives.gemm2(h, out1.expert_offsets, out1.expert_counts, w2q)
   return runtime.engine.combine(rows, out1, lax.axis_index(runtime.axis_name), num_tokens=T,
                                 topk=K)
 

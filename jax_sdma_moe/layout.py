@@ -23,14 +23,28 @@ def send_rows(tokens: int, topk: int) -> int:
   return tokens * topk
 
 
-def gemm1_workspace(cap: int, hidden: int, intermediate: int, experts_per_rank: int):
-  """The CUDA gemm1's workspace (DESIGN §5), as ((shape, dtype), ...): the landed rows upcast to
-  bf16 once per call ([cap, 2*hidden] bytes) and one flag per row tile of 128 rows (cap // 128 +
-  experts_per_rank: kernels/cuda/gemm1/args.h bf16_row_tiles_bound). Empty where the bf16 kernel
-  does not apply (hidden % 512 or intermediate % 64 not zero)."""
-  if hidden % 512 or intermediate % 64:
+def bf16_gemm_workspace(cap: int, depth: int, experts_per_rank: int, applies: bool):
+  """The CUDA bf16-route GEMM's workspace (DESIGN §5), as ((shape, dtype), ...): the landed rows
+  upcast to bf16 once per call ([cap, 2*depth] bytes) and one flag per row tile of 128 rows
+  (cap // 128 + experts_per_rank: kernels/cuda/gemm1/args.h bf16_row_tiles_bound). Empty where
+  the kernel does not apply."""
+  if not applies:
     return ((0,), jnp.uint8), ((0,), jnp.uint32)
-  return ((cap, 2 * hidden), jnp.uint8), ((cap // 128 + experts_per_rank,), jnp.uint32)
+  return ((cap, 2 * depth), jnp.uint8), ((cap // 128 + experts_per_rank,), jnp.uint32)
+
+
+def gemm1_workspace(cap: int, hidden: int, intermediate: int, experts_per_rank: int):
+  """gemm1's: the bf16 kernel runs where hidden % 512 == 0 and intermediate % 64 == 0
+  (kernels/cuda/gemm1/launch.cu launch_gemm1)."""
+  return bf16_gemm_workspace(cap, hidden, experts_per_rank,
+                             hidden % 512 == 0 and intermediate % 64 == 0)
+
+
+def gemm2_workspace(cap: int, hidden: int, intermediate: int, experts_per_rank: int):
+  """gemm2's (depth: intermediate, output columns: hidden): where intermediate % 512 == 0 and
+  hidden % 256 == 0 (launch.cu launch_gemm2; elsewhere a generic kernel, no workspace)."""
+  return bf16_gemm_workspace(cap, intermediate, experts_per_rank,
+                             intermediate % 512 == 0 and hidden % 256 == 0)
 
 
 def workspace_bytes(workspace) -> int:

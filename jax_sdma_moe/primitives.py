@@ -18,7 +18,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from .layout import BLOCK, gemm1_workspace
+from .layout import BLOCK, gemm1_workspace, gemm2_workspace
 from .types import MXFP8, Landed, Route, SendBuffer
 
 F8 = jnp.float8_e4m3fn
@@ -285,12 +285,15 @@ def dispatch_gemm1(send: SendBuffer, send_counts: jax.Array, rank: jax.Array, w1
 # --- gemm2 (Stage2) --------------------------------------------------------------------------
 
 _gemm2_p = _make("gemm2", lambda h, offsets, counts, w_values, w_scales, *h_scales: (
-    _aval((h.shape[0], w_values.shape[1]), jnp.bfloat16),))
+    _aval((h.shape[0], w_values.shape[1]), jnp.bfloat16),),
+    cuda_workspace=lambda h, offsets, counts, w_values, w_scales, *h_scales: gemm2_workspace(
+        h.shape[0], w_values.shape[1], w_values.shape[2], w_values.shape[0]))
 
 
 def gemm2(h, expert_offsets: jax.Array, expert_counts: jax.Array, w2) -> jax.Array:
-  """GEMM2 of the landed rows: h [M_cap, I] (bf16, quantised along I in the call, or MXFP8),
-  w2 QuantizedW2 [EL, H, I] -> [M_cap, H] bf16, padding rows 0."""
+  """GEMM2 of the landed rows: h [M_cap, I] (bf16, quantised along I in the call — CPU only; the
+  CUDA handler takes MXFP8 rows, see jsm.stage2 — or MXFP8), w2 QuantizedW2 [EL, H, I] ->
+  [M_cap, H] bf16, padding rows 0."""
   values, scales = (h.values, (h.scales,)) if isinstance(h, MXFP8) else (h, ())
   return _bind(_gemm2_p, values, expert_offsets, expert_counts, w2.values, w2.scales, *scales)[0]
 
@@ -300,7 +303,9 @@ def gemm2(h, expert_offsets: jax.Array, expert_counts: jax.Array, w2) -> jax.Arr
 _combine_p = _make(
     "combine", lambda rows, src_rank, token, slot, weight, rank, *, num_tokens, topk, options: (
         _aval((num_tokens, rows.shape[1]), jnp.bfloat16),),
-    lambda p: {"dispatch": p["options"].ffi_attr(), "topk": np.int64(p["topk"])})
+    lambda p: {"dispatch": p["options"].ffi_attr(), "topk": np.int64(p["topk"])},
+    # CUDA: the row of each (token, slot), [T * K] int32
+    cuda_workspace=lambda *avals, num_tokens, topk, **_: (((num_tokens * topk,), jnp.int32),))
 
 
 def combine(rows: jax.Array, src_rank: jax.Array, token: jax.Array, slot: jax.Array,

@@ -239,3 +239,71 @@ def run_processes(tc, script, n, seed, timeout, env_of=lambda i: {}):
             for i, (p, out) in enumerate(zip(procs, outs))
             if p.returncode != 0 or f"OK rank {i}" not in out]
   tc.assertFalse(failed, f"seed {seed}:\n" + "\n".join(failed))
+
+
+# --- the whole layer (jsm.moe): shared by test_moe.py and the GPU suites ---------------------
+
+# DESIGN.md §3, Stage2: per rank, against the float32 reference of the same arithmetic
+REL_TOL, MAX_TOL = 1e-2, 3e-2
+
+
+def make_w2q(r, E, H, I, w_scale=0.05):
+  return jsm.quantize_w2(jnp.asarray(r.standard_normal((E, H, I)) * w_scale, jnp.bfloat16))
+
+
+def moe_fn(m, rt, with_weights=True, check=False):
+  """jit(shard_map(moe)): y [R*T, H] over the ranks."""
+  def body(x, ids, weights, w1q, w2q):
+    topk = (ids, weights) if with_weights else ids
+    return jsm.moe(x, topk, w1q, w2q, runtime=rt, check=check)
+  return jax.jit(jax.shard_map(body, mesh=m, in_specs=P("ep"), out_specs=P("ep")))
+
+
+def reference_y(x, ids, weights, w1q, w2q, num_ranks, cfg, T):
+  # on one device: the arguments may be outputs of a shard_map, sharded over the mesh
+  x, ids, weights = jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), (x, ids, weights))
+  K = ids.shape[-1]
+  EL = w1q.values.shape[0] // num_ranks
+  cap = jsm.layout.m_cap(num_ranks, T, K, EL, cfg.row_align, cfg.max_recv_rows)
+  xr = jax.tree.map(lambda a: a.reshape(num_ranks, T, *a.shape[1:]), x)
+  return np.asarray(jsm.reference.moe(
+      xr, ids.reshape(num_ranks, T, K),
+      None if weights is None else weights.reshape(num_ranks, T, K), w1q, w2q,
+      row_align=cfg.row_align, cap=cap, swiglu_limit=cfg.swiglu_limit, out_dtype=cfg.out_dtype))
+
+
+def check_y(tc, y, ref, ids, E):
+  """Per rank within the tolerance; no NaN; tokens with no valid slot exactly +0."""
+  num_ranks, T, H = ref.shape
+  got = np.asarray(y, np.float32).reshape(num_ranks, T, H)
+  tc.assertFalse(np.isnan(got).any(), "NaN in y")
+  for r in range(num_ranks):
+    nref = np.linalg.norm(ref[r])
+    if nref == 0:
+      tc.assertTrue((got[r] == 0).all(), f"rank {r}: y must be 0 where the reference is")
+      continue
+    tc.assertLessEqual(np.linalg.norm(got[r] - ref[r]) / nref, REL_TOL,
+                       f"rank {r}: relative norm of the error")
+    tc.assertLessEqual(np.max(np.abs(got[r] - ref[r])), MAX_TOL * np.max(np.abs(ref[r])),
+                       f"rank {r}: max error")
+  ids = np.asarray(ids)
+  no_slot = ~((ids >= 0) & (ids < E)).any(-1)
+  bits = as_bytes(jnp.asarray(y)).reshape(num_ranks * T, H)
+  tc.assertTrue((bits[no_slot] == 0).all(), "tokens with no valid slot must be exact zeros")
+
+
+# A layer between the "small" shape and dsv3 where both CUDA GEMMs take the bf16-route kernel
+# (H % 512 == 0; I % 512 == 0 for GEMM2's depth): (H, I, E, K)
+MID_LAYER = (1024, 512, 16, 4)
+
+
+def run_moe_on(tc, m, engine, T, H, I, E, K, routing="uniform", swiglu_limit=None):
+  """jsm.moe over the mesh m (its devices: GPUs) against reference.moe (check_y)."""
+  r = rng()
+  R = m.devices.size
+  cfg = jsm.Stage1Config(engine=engine, swiglu_limit=swiglu_limit)
+  x, ids, w, w1q = make_problem(r, R, T, H, I, E, K, routing)
+  w2q = make_w2q(r, E, H, I)
+  with jsm.Runtime(m, "ep", cfg) as rt:
+    y = moe_fn(m, rt)(*shard(m, (x, ids, w)), *shard(m, (w1q, w2q)))
+  check_y(tc, y, reference_y(x, ids, w, w1q, w2q, R, cfg, T), ids, E)

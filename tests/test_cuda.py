@@ -222,3 +222,21 @@ class CudaStage1Test(parameterized.TestCase):
 
 if __name__ == "__main__":
   absltest.main()
+
+
+@absltest.skipIf(GPU is None, WHY or "")
+class CudaMoeTest(parameterized.TestCase):
+  """jsm.moe on one GPU, engine local (Stage2 on CUDA: gemm2, the combine within the rank) against
+  reference.moe: the bf16-route gemm2 (MID_LAYER) and the generic one (the small shape)."""
+
+  @parameterized.named_parameters(
+      ("mid_uniform", _util.MID_LAYER, 256, "uniform", None),
+      ("mid_skewed_limit", _util.MID_LAYER, 512, "skewed", 7.0),
+      ("mid_masked", _util.MID_LAYER, 64, "masked", None),
+      ("small_uniform", None, 128, "uniform", None),
+      ("small_T1", None, 1, "uniform", None))
+  def test_moe_local(self, dims, T, routing, limit):
+    s = jsm.SHAPES["small"]
+    H, I, E, K = dims or (s.hidden, s.intermediate, s.num_experts, s.topk)
+    m = jax.sharding.Mesh(np.array([GPU]), ("ep",))
+    _util.run_moe_on(self, m, "local", T, H, I, E, K, routing, limit)

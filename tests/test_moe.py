@@ -14,55 +14,6 @@ import jax_sdma_moe as jsm
 
 SMALL = jsm.SHAPES["small"]
 R = _util.NUM_DEVICES
-# DESIGN.md §3, Stage2: per rank, against the float32 reference of the same arithmetic
-REL_TOL, MAX_TOL = 1e-2, 3e-2
-
-
-def make_w2q(r, E, H, I, w_scale=0.05):
-  return jsm.quantize_w2(jnp.asarray(r.standard_normal((E, H, I)) * w_scale, jnp.bfloat16))
-
-
-def moe_fn(m, rt, with_weights=True, check=False):
-  """jit(shard_map(moe)): y [R*T, H] over the ranks."""
-  def body(x, ids, weights, w1q, w2q):
-    topk = (ids, weights) if with_weights else ids
-    return jsm.moe(x, topk, w1q, w2q, runtime=rt, check=check)
-  return jax.jit(jax.shard_map(body, mesh=m, in_specs=P("ep"), out_specs=P("ep")))
-
-
-def reference_y(x, ids, weights, w1q, w2q, num_ranks, cfg, T):
-  # on one device: the arguments may be outputs of a shard_map, sharded over the mesh
-  x, ids, weights = jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), (x, ids, weights))
-  K = ids.shape[-1]
-  EL = w1q.values.shape[0] // num_ranks
-  cap = jsm.layout.m_cap(num_ranks, T, K, EL, cfg.row_align, cfg.max_recv_rows)
-  xr = jax.tree.map(lambda a: a.reshape(num_ranks, T, *a.shape[1:]), x)
-  return np.asarray(jsm.reference.moe(
-      xr, ids.reshape(num_ranks, T, K),
-      None if weights is None else weights.reshape(num_ranks, T, K), w1q, w2q,
-      row_align=cfg.row_align, cap=cap, swiglu_limit=cfg.swiglu_limit, out_dtype=cfg.out_dtype))
-
-
-def check_y(tc, y, ref, ids, E):
-  """Per rank within the tolerance; no NaN; tokens with no valid slot exactly +0."""
-  num_ranks, T, H = ref.shape
-  got = np.asarray(y, np.float32).reshape(num_ranks, T, H)
-  tc.assertFalse(np.isnan(got).any(), "NaN in y")
-  for r in range(num_ranks):
-    nref = np.linalg.norm(ref[r])
-    if nref == 0:
-      tc.assertTrue((got[r] == 0).all(), f"rank {r}: y must be 0 where the reference is")
-      continue
-    tc.assertLessEqual(np.linalg.norm(got[r] - ref[r]) / nref, REL_TOL,
-                       f"rank {r}: relative norm of the error")
-    tc.assertLessEqual(np.max(np.abs(got[r] - ref[r])), MAX_TOL * np.max(np.abs(ref[r])),
-                       f"rank {r}: max error")
-  ids = np.asarray(ids)
-  no_slot = ~((ids >= 0) & (ids < E)).any(-1)
-  bits = _util.as_bytes(jnp.asarray(y)).reshape(num_ranks * T, H)
-  tc.assertTrue((bits[no_slot] == 0).all(), "tokens with no valid slot must be exact zeros")
-
-
 def run_moe(tc, *, engine="cpu", num_ranks=R, T=16, H=SMALL.hidden, I=SMALL.intermediate,
             E=SMALL.num_experts, K=SMALL.topk, routing="uniform", prequantized=False,
             with_weights=True, **cfg_kw):
@@ -71,14 +22,14 @@ def run_moe(tc, *, engine="cpu", num_ranks=R, T=16, H=SMALL.hidden, I=SMALL.inte
   cfg = jsm.Stage1Config(engine=engine, timeout_s=30.0, **{"row_align": 16, **cfg_kw})
   x, ids, w, w1q = _util.make_problem(r, num_ranks, max(T, 1), H, I, E, K, routing)
   x, ids, w = (a[:num_ranks * T] for a in (x, ids, w))  # T = 0: an empty batch
-  w2q = make_w2q(r, E, H, I)
+  w2q = _util.make_w2q(r, E, H, I)
   if prequantized:
     x = jsm.quantize(x)
   with jsm.Runtime(m, "ep", cfg) as rt:
-    y = moe_fn(m, rt, with_weights)(*_util.shard(m, (x, ids, w)), *_util.shard(m, (w1q, w2q)))
+    y = _util.moe_fn(m, rt, with_weights)(*_util.shard(m, (x, ids, w)), *_util.shard(m, (w1q, w2q)))
   tc.assertEqual((y.shape, y.dtype), ((num_ranks * T, H), jnp.bfloat16))
-  ref = reference_y(x, ids, w if with_weights else None, w1q, w2q, num_ranks, cfg, T)
-  check_y(tc, y, ref, ids, E)
+  ref = _util.reference_y(x, ids, w if with_weights else None, w1q, w2q, num_ranks, cfg, T)
+  _util.check_y(tc, y, ref, ids, E)
   return y, (x, ids, w, w1q, w2q)
 
 
@@ -120,13 +71,13 @@ class MoeTest(parameterized.TestCase):
       x, ids, w, w1q = _util.make_problem(r, num_ranks, 24, SMALL.hidden, SMALL.intermediate,
                                           SMALL.num_experts, SMALL.topk, "masked")
       args = (*_util.shard(m, (x, ids, w)), *_util.shard(
-          m, (w1q, make_w2q(r, SMALL.num_experts, SMALL.hidden, SMALL.intermediate))))
+          m, (w1q, _util.make_w2q(r, SMALL.num_experts, SMALL.hidden, SMALL.intermediate))))
       for out_dtype in ("bf16", "mxfp8"):
         ys = {}
         for engine in engines:
           cfg = jsm.Stage1Config(engine=engine, out_dtype=out_dtype, row_align=32)
           with jsm.Runtime(m, "ep", cfg) as rt:
-            ys[engine] = _util.as_bytes(moe_fn(m, rt)(*args))
+            ys[engine] = _util.as_bytes(_util.moe_fn(m, rt)(*args))
         for engine in engines[1:]:
           np.testing.assert_array_equal(ys[engine], ys[engines[0]], err_msg=(
               f"R = {num_ranks}, {out_dtype}: {engine} vs {engines[0]}"))
@@ -139,7 +90,7 @@ class MoeTest(parameterized.TestCase):
     m = _util.mesh(R)
     T, H, I, E, K = 16, 64, 32, 64, 4
     x, ids, w, w1q = _util.make_problem(r, R, T, H, I, E, K, "skewed")
-    w2q = make_w2q(r, E, H, I)
+    w2q = _util.make_w2q(r, E, H, I)
     cfg = jsm.Stage1Config(engine=engine, row_align=8, max_recv_rows=100)
     with jsm.Runtime(m, "ep", cfg) as rt:
       def body(x, ids, w, w1q, w2q):
@@ -148,7 +99,7 @@ class MoeTest(parameterized.TestCase):
       f = jax.jit(jax.shard_map(body, mesh=m, in_specs=P("ep"), out_specs=P("ep")))
       overflow, y = f(*_util.shard(m, (x, ids, w, w1q, w2q)))
     self.assertEqual(int(np.asarray(overflow)[0]), R * T * K - 100)
-    check_y(self, y, reference_y(x, ids, w, w1q, w2q, R, cfg, T), ids, E)
+    _util.check_y(self, y, _util.reference_y(x, ids, w, w1q, w2q, R, cfg, T), ids, E)
 
   @parameterized.parameters("cpu", "xla")
   def test_check_fails_fast_on_overflow(self, engine):
@@ -160,10 +111,10 @@ class MoeTest(parameterized.TestCase):
     x, ids, w, w1q = _util.make_problem(r, R, T, H, I, E, K, "skewed")  # only rank 0 overflows
     cfg = jsm.Stage1Config(engine=engine, row_align=8, max_recv_rows=100, timeout_s=60.0)
     with jsm.Runtime(m, "ep", cfg) as rt:
-      f = moe_fn(m, rt, check=True)
+      f = _util.moe_fn(m, rt, check=True)
       t0 = time.monotonic()
       with self.assertRaisesRegex(Exception, "did not fit M_cap = 100"):
-        jax.block_until_ready(f(*_util.shard(m, (x, ids, w, w1q, make_w2q(r, E, H, I)))))
+        jax.block_until_ready(f(*_util.shard(m, (x, ids, w, w1q, _util.make_w2q(r, E, H, I)))))
       self.assertLess(time.monotonic() - t0, 30.0, "the check waited for a peer's timeout")
 
   def test_back_to_back_calls_and_two_layers(self):
@@ -174,25 +125,25 @@ class MoeTest(parameterized.TestCase):
     T, H, I, E, K = 8, 64, 32, 16, 2
     cfg = jsm.Stage1Config(engine="cpu", row_align=8)
     w1q = jsm.quantize_w1(jnp.asarray(r.standard_normal((E, 2 * I, H)) * 0.1, jnp.bfloat16))
-    w2q = make_w2q(r, E, H, I, 0.1)
+    w2q = _util.make_w2q(r, E, H, I, 0.1)
     weights_on_mesh = _util.shard(m, (w1q, w2q))
     with jsm.Runtime(m, "ep", cfg) as rt:
-      f = moe_fn(m, rt)
+      f = _util.moe_fn(m, rt)
       for i in range(20):
         x = jnp.asarray(r.standard_normal((R * T, H)), jnp.bfloat16)
         ids = _util.make_ids(r, R, T, K, E, ("uniform", "masked")[i % 2])
         w = jnp.asarray(r.random((R * T, K)), jnp.float32)
         y = f(*_util.shard(m, (x, ids, w)), *weights_on_mesh)
-        check_y(self, y, reference_y(x, ids, w, w1q, w2q, R, cfg, T), ids, E)
+        _util.check_y(self, y, _util.reference_y(x, ids, w, w1q, w2q, R, cfg, T), ids, E)
 
       def two_layers(x, ids, w, w1q, w2q):
         y1 = jsm.moe(x, (ids, w), w1q, w2q, runtime=rt)
         return y1, jsm.moe(x + y1, (ids, w), w1q, w2q, runtime=rt)
       g = jax.jit(jax.shard_map(two_layers, mesh=m, in_specs=P("ep"), out_specs=P("ep")))
       y1, y2 = g(*_util.shard(m, (x, ids, w)), *weights_on_mesh)
-    check_y(self, y1, reference_y(x, ids, w, w1q, w2q, R, cfg, T), ids, E)
+    _util.check_y(self, y1, _util.reference_y(x, ids, w, w1q, w2q, R, cfg, T), ids, E)
     x2 = jnp.asarray(np.asarray(x)) + jnp.asarray(np.asarray(y1))
-    check_y(self, y2, reference_y(x2, ids, w, w1q, w2q, R, cfg, T), ids, E)
+    _util.check_y(self, y2, _util.reference_y(x2, ids, w, w1q, w2q, R, cfg, T), ids, E)
 
   def test_delayed_rank(self):
     """One rank starts each exchange 300 ms late: the others wait for it; the result is exact."""
@@ -204,7 +155,7 @@ class MoeTest(parameterized.TestCase):
     m = _util.mesh(R)
     T, H, I, E, K = 4, 64, 32, 16, 2
     x, ids, w, w1q = _util.make_problem(r, R, T, H, I, E, K)
-    w2q = make_w2q(r, E, H, I)
+    w2q = _util.make_w2q(r, E, H, I)
     with jsm.Runtime(m, "ep", jsm.Stage1Config(engine="cpu")) as rt1, \
         jsm.Runtime(m, "ep", jsm.Stage1Config(engine="cpu", timeout_s=0.5,
                                               fault_absent_rank=3)) as rt2:
@@ -241,7 +192,7 @@ class Stage2ErrorsTest(parameterized.TestCase):
     cls.mesh = _util.mesh(R)
     cls.rt = jsm.Runtime(cls.mesh, "ep", jsm.Stage1Config(engine="cpu"))
     cls.x, cls.ids, cls.w, cls.w1q = _util.make_problem(r, R, cls.T, cls.H, cls.I, cls.E, cls.K)
-    cls.w2q = make_w2q(r, cls.E, cls.H, cls.I)
+    cls.w2q = _util.make_w2q(r, cls.E, cls.H, cls.I)
 
   @classmethod
   def tearDownClass(cls):
@@ -311,12 +262,26 @@ class Stage2ErrorsTest(parameterized.TestCase):
         with self.assertRaisesRegex(NotImplementedError, rf"engine '{engine}' has no combine "
                                     r"yet.*issue 16"):
           self.trace_moe(rt=rt)
-    # engine xla has a combine, but CUDA has no gemm2 / combine kernels yet
+    # engine xla has a combine: with a build that has the CUDA kernels (gemm2 and the combine
+    # within the rank) the layer traces for CUDA; without one, it names what is missing
     with jsm.Runtime(self.mesh, "ep", jsm.Stage1Config(engine="xla"),
                      lowering_platform="cuda") as rt:
-      with self.assertRaisesRegex(NotImplementedError, r"no cuda kernels for combine, gemm2 "
-                                  r"\(issue 16"):
-        self.trace_moe(rt=rt)
+      if {"gemm2", "combine"} <= jsm.primitives.built_stages("cuda"):
+        self.assertEqual(self.trace_moe(rt=rt).shape, (R * self.T, self.H))
+        # and lowers, each CUDA GEMM and the combine with their workspace results (DESIGN §5)
+        body = lambda x, ids, w, w1q, w2q: jsm.moe(x, (ids, w), w1q, w2q, runtime=rt)
+        f = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=P("ep"), out_specs=P("ep")))
+        args = _util.shard(self.mesh, (self.x, self.ids, self.w, self.w1q, self.w2q))
+        text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        # results per call: gemm1 h + 2, gemm2 y2 + 2, combine y + 1 (the primitives return 1)
+        for target, results in (("jsm_gemm1", 3), ("jsm_gemm2", 3), ("jsm_combine", 2)):
+          self.assertRegex(text, rf"%\w+:{results} = stablehlo.custom_call @{target}\(", target)
+        combine = next(line for line in text.splitlines() if "@jsm_combine(" in line)
+        self.assertIn(f"tensor<{self.T * self.ids.shape[1]}xi32>", combine.split("->")[-1])
+      else:
+        with self.assertRaisesRegex(NotImplementedError, r"no cuda kernels for combine, gemm2 "
+                                    r"\(issue 16"):
+          self.trace_moe(rt=rt)
 
 
 if __name__ == "__main__":

@@ -273,3 +273,18 @@ class TwoProcessTest(absltest.TestCase):
 
 if __name__ == "__main__":
   absltest.main()
+
+
+@absltest.skipIf(not ENOUGH, WHY or "")
+class MultiGpuMoeTest(parameterized.TestCase):
+  """jsm.moe across the GPUs: engine xla (its all_to_all back, then the CUDA combine within each
+  rank) against reference.moe; engines ce and sm have no combine yet (a trace-time error)."""
+
+  @parameterized.parameters("uniform", "skewed")
+  def test_moe_xla_engine(self, routing):
+    _util.run_moe_on(self, gpu_mesh(), "xla", 256, *_util.MID_LAYER, routing)
+
+  @parameterized.parameters("ce", "sm")
+  def test_moe_window_engines_not_built(self, engine):
+    with self.assertRaisesRegex(NotImplementedError, "combine"):
+      _util.run_moe_on(self, gpu_mesh(), engine, 16, *_util.MID_LAYER)

@@ -51,6 +51,24 @@ std::string tensor_map(CUtensorMap* map, const void* base, int64_t cols, int64_t
   return "";
 }
 
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// The bf16-route kernel (both GEMMs; swiglu: GEMM1) with its TMA maps over the workspace's rows
+// and the weights [weight_rows, H], after zeroing the row-tile flags.
+std::string launch_bf16_route(const Gemm1Args& g, int64_t weight_rows, int grid,
+                              cudaStream_t stream, bool swiglu) {
+  if (g.xb_ready_count < bf16_row_tiles_bound(g.m_cap, g.EL))
+    return "jax_sdma_moe GEMM: the workspace has too few row-tile flags";
+  Bf16RsMaps maps;
+  std::string err = tensor_map(&maps.xb, g.xb, 2 * g.H, g.m_cap, kTmaXBoxRows, 128);
+  if (err.empty()) err = tensor_map(&maps.w, g.w, g.H, weight_rows, 64, 64);
+  if (err.empty()) err = tensor_map(&maps.w_scales, g.w_scales, g.H / kBlock, weight_rows, 64, 16);
+  if (!err.empty()) return err;
+  cudaMemsetAsync(g.xb_ready, 0, size_t(g.xb_ready_count) * sizeof(uint32_t), stream);
+  launch_sm90_mx_bf16_rs(g, maps, grid, stream, swiglu);
+  return "";
+}
+
 }  // namespace
 
 std::string launch_gemm1(Gemm1Args g, int grid, cudaStream_t stream, const Gemm1Options& opt) {
@@ -66,20 +84,11 @@ std::string launch_gemm1(Gemm1Args g, int grid, cudaStream_t stream, const Gemm1
   g.scales_aligned = scales_aligned(g, KB);
   const uint8_t* rows0 = g.epoch_counter ? g.slot_values[0] : g.a;
   const uint8_t* rows1 = g.epoch_counter ? g.slot_values[1] : g.a;
-  const auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   // TMA: 16-byte aligned bases and row strides (H / 32 a multiple of 16)
   if (g.H % 512 == 0 && g.I % 64 == 0 && g.xb != nullptr && aligned16(g.w_scales) &&
       aligned16(rows0) && aligned16(rows1)) {
-    if (g.xb_ready_count < bf16_row_tiles_bound(g.m_cap, g.EL))
-      return "jax_sdma_moe gemm1: the workspace has too few row-tile flags";
-    Bf16RsMaps maps;
-    const int64_t w_rows = int64_t(g.EL) * 2 * g.I, HS = g.H / kBlock;
-    err = tensor_map(&maps.xb, g.xb, 2 * g.H, g.m_cap, kTmaXBoxRows, 128);
-    if (err.empty()) err = tensor_map(&maps.w, g.w, g.H, w_rows, 64, 64);
-    if (err.empty()) err = tensor_map(&maps.w_scales, g.w_scales, HS, w_rows, 64, 16);
+    err = launch_bf16_route(g, int64_t(g.EL) * 2 * g.I, grid, stream, /*swiglu=*/true);
     if (!err.empty()) return err;
-    cudaMemsetAsync(g.xb_ready, 0, size_t(g.xb_ready_count) * sizeof(uint32_t), stream);
-    launch_sm90_mx_bf16_rs(g, maps, grid, stream);
   } else if (g.H % 128 == 0) {
     CUtensorMap map_a0, map_a1, map_b;
     err = tensor_map(&map_a0, rows0, g.H, g.m_cap, kTmaABoxRows);
@@ -91,6 +100,22 @@ std::string launch_gemm1(Gemm1Args g, int grid, cudaStream_t stream, const Gemm1
     launch_sm80_mma(g, grid, stream);
   }
   return last_error("gemm1");
+}
+
+std::string launch_gemm2(Gemm1Args g, int grid, cudaStream_t stream) {
+  g.has_limit = false;
+  gpu::launch_zero_padding_rows(g.offsets, g.counts, g.EL, g.m_cap, g.I * 2,
+                                reinterpret_cast<uint8_t*>(g.h_bf16), nullptr, 0, stream);
+  std::string err = last_error("gemm2 padding");
+  if (!err.empty() || g.m_cap == 0) return err;
+  if (g.H % 512 == 0 && g.I % 256 == 0 && g.xb != nullptr && aligned16(g.w_scales) &&
+      aligned16(g.a)) {
+    err = launch_bf16_route(g, int64_t(g.EL) * g.I, grid, stream, /*swiglu=*/false);
+    if (!err.empty()) return err;
+  } else {
+    launch_generic_gemm2(g, stream);
+  }
+  return last_error("gemm2");
 }
 
 }  // namespace gemm1

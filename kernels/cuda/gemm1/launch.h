@@ -21,6 +21,14 @@ namespace gemm1 {
 // Returns "" or an error message.
 std::string launch_gemm1(Gemm1Args g, int grid, cudaStream_t stream, const Gemm1Options& opt);
 
+// GEMM2 (Stage2) on the same machinery: g's fields as for GEMM1 with g.H the depth (the model's
+// I), g.I the output columns (the model's H), g.w/g.w_scales w2 [EL, H, I] (g.I weight rows per
+// expert), g.a/g.a_scales the MX-fp8 rows of h, g.h_bf16 the output y2 [m_cap, g.I]. Zeroes the
+// padding rows, then runs the bf16-route kernel without SwiGLU where g.H % 512 == 0, g.I % 256
+// == 0 and the workspace is given, else a generic kernel (a correctness fallback for small
+// shapes: one row per block, float32 dot products). Returns "" or an error message.
+std::string launch_gemm2(Gemm1Args g, int grid, cudaStream_t stream);
+
 }  // namespace gemm1
 }  // namespace cuda
 }  // namespace jsm

@@ -72,7 +72,22 @@ constexpr int kSmemBytes = int(sizeof(Shared)) + 1024 - 16;
 static_assert(kSmemBytes + int(sizeof(int32_t)) * (kMaxExperts + 1) <= 227 * 1024,
               "shared memory of one CTA (dynamic + the scheduler's static prefix)");
 
-using Scheduler = TileSchedulerFor<TOK, COLS>;
+// The two GEMMs of the layer on this kernel (kSwiglu): GEMM1, output columns = g.I, weight rows
+// 2I per expert (gate rows, then up rows), SwiGLU; and GEMM2 (false), output columns = g.I (the
+// model's H), weight rows g.I per expert, plain. g.H is the depth (K) of both.
+// A consumer warpgroup's output columns per tile: 64 (each with a gate and an up row) or 128.
+template <bool kSwiglu>
+constexpr int kWgCols = kSwiglu ? 64 : 128;
+template <bool kSwiglu>
+using SchedulerFor = TileSchedulerFor<TOK, 2 * kWgCols<kSwiglu>>;
+
+// The first w1/w2 row of TMA box i (64 rows; box i lands at Stage::w row 64 i: consumer warpgroup
+// i / 2, part i % 2 — gate/up, or its first/second 64 columns) of tile t.
+template <bool kSwiglu>
+__device__ __forceinline__ int weight_box_row(const Gemm1Args& g, const Tile& t, int i) {
+  if (kSwiglu) return int(int64_t(t.e) * 2 * g.I + t.n0) + (i & 1) * int(g.I) + (i / 2) * 64;
+  return int(int64_t(t.e) * g.I + t.n0) + i * 64;
+}
 
 // --- the upcast --------------------------------------------------------------------------------
 // An e4m3 byte b as bf16 bits (sext16(b) << 4) & 0x87F0 is b's value times 2^-120 exactly: the
@@ -124,6 +139,7 @@ __device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* p) {
 }
 
 // Row tile rt of the call (row tiles numbered in work-item order) as a Tile (n0 = 0).
+template <class Scheduler>
 __device__ __forceinline__ Tile row_tile(const Gemm1Args& g, const Scheduler& sched, int rt) {
   return sched.tile(g, rt * Scheduler::n_tiles(g));
 }
@@ -131,10 +147,13 @@ __device__ __forceinline__ Tile row_tile(const Gemm1Args& g, const Scheduler& sc
 // The loader warp: stage after stage, once its slot is free, the TMA loads of weights and bf16
 // token rows; every kScaleStages stages, once a scale slot is free, the weights' scales of the
 // next ones. Lane 0 issues, after a tile's row tile is flagged upcast (bounded wait).
-__device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared& sh, const Scheduler& sched,
+template <bool kSwiglu>
+__device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared& sh,
+                                            const SchedulerFor<kSwiglu>& sched,
                                             const CUtensorMap* map_xb, const CUtensorMap* map_w,
                                             const CUtensorMap* map_ws, int lane) {
-  const int total = sched.total(g), num_k = int(g.H / KS), n_tiles = Scheduler::n_tiles(g);
+  const int total = sched.total(g), num_k = int(g.H / KS);
+  const int n_tiles = SchedulerFor<kSwiglu>::n_tiles(g);
   uint32_t issued = 0;
   for (int w = blockIdx.x; w < total; w += gridDim.x) {
     const Tile t = sched.tile(g, w);
@@ -152,8 +171,8 @@ __device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared& sh, cons
     }
     __syncwarp();
     const int x_boxes = (t.rows + kTmaXBoxRows - 1) / kTmaXBoxRows;
-    const int w_boxes = t.n0 + 64 < g.I ? 4 : 2;  // the second warpgroup's columns exist?
-    const int w_row = int(int64_t(t.e) * 2 * g.I + t.n0);
+    // the second warpgroup's columns exist?
+    const int w_boxes = t.n0 + kWgCols<kSwiglu> < g.I ? 4 : 2;
     for (int ks = 0; ks < num_k; ++ks, ++issued) {
       Stage& S = sh.s[issued % STAGES];
       uint64_t* bar = &sh.loaded[issued % STAGES];
@@ -166,7 +185,7 @@ __device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared& sh, cons
           mbar_arrive_expect_tx(sbar, uint32_t(w_boxes * 64 * kScaleBytes));
           const int x0 = ks / kScaleStages * kScaleBytes;
           for (int i = 0; i < w_boxes; ++i)
-            tma_load_2d(SS.w[i * 64], map_ws, sbar, x0, w_row + (i & 1) * int(g.I) + (i / 2) * 64);
+            tma_load_2d(SS.w[i * 64], map_ws, sbar, x0, weight_box_row<kSwiglu>(g, t, i));
         }
       }
       mbar_wait(&sh.empty[issued % STAGES], ((issued / STAGES) & 1) ^ 1);
@@ -175,9 +194,8 @@ __device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared& sh, cons
         for (int i = 0; i < x_boxes; ++i)
           tma_load_2d(S.x + i * kTmaXBoxRows * 2 * KS, map_xb, bar, ks * 2 * KS,
                       int(t.row0) + i * kTmaXBoxRows);
-        for (int i = 0; i < w_boxes; ++i)  // box i: warpgroup i / 2, gate (even) or up rows
-          tma_load_2d(S.w + i * 64 * KS, map_w, bar, ks * KS,
-                      w_row + (i & 1) * int(g.I) + (i / 2) * 64);
+        for (int i = 0; i < w_boxes; ++i)
+          tma_load_2d(S.w + i * 64 * KS, map_w, bar, ks * KS, weight_box_row<kSwiglu>(g, t, i));
       }
     }
   }
@@ -208,6 +226,7 @@ __device__ __forceinline__ void upcast_block(const uint4& in0, const uint4& in1,
 // The transform warps: row tiles rt = blockIdx.x, + gridDim.x, ... of the call, each once its
 // expert's rows have landed (fused: warp 1 waits, bounded), upcast into the workspace, then
 // flagged for every CTA's loader. t: 0..95.
+template <class Scheduler>
 __device__ __forceinline__ void transform_row_tiles(const Gemm1Args& g, const Scheduler& sched,
                                                     int t) {
   const int row_tiles = sched.total(g) / Scheduler::n_tiles(g), nblk = int(g.H / kBlock);
@@ -363,11 +382,13 @@ __device__ __forceinline__ void store_h_block(const Gemm1Args& g, int64_t row, i
   g.h_scales[row * (g.I / kBlock) + col0 / kBlock] = uint8_t(e);
 }
 
-// SwiGLU of the warpgroup's 64 columns x the tile's tokens, staged through shared memory (so each
-// thread stores 32 consecutive columns of one token: one MX block), 64 tokens at a time.
-__device__ __forceinline__ void epilogue(const Gemm1Args& g, const Tile& t, float* epi,
-                                         const float (&gate)[64], const float (&up)[64], int cw,
-                                         int tid, int row_g, int tig) {
+// 64 columns of the output, col0 .., x the tile's tokens from the warpgroup's fragments
+// (value(i): fragment index i's float), staged through shared memory (so each thread stores 32
+// consecutive columns of one token: one MX block), 64 tokens at a time.
+template <class Value>
+__device__ __forceinline__ void store_columns(const Gemm1Args& g, const Tile& t, float* epi,
+                                              Value value, int64_t col0, int cw, int tid,
+                                              int row_g, int tig) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     if (half == 1 && t.rows <= 64) break;
@@ -378,8 +399,7 @@ __device__ __forceinline__ void epilogue(const Gemm1Args& g, const Tile& t, floa
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           const int i = half * 32 + j * 4 + 2 * h + c;
-          epi[(j * 8 + 2 * tig + c) * kEpiStride + row_g + 8 * h] =
-              swiglu(gate[i], up[i], g.has_limit, g.limit);
+          epi[(j * 8 + 2 * tig + c) * kEpiStride + row_g + 8 * h] = value(i);
         }
     consumer_barrier(cw);
     const int tok = tid % 64, blk = tid / 64;
@@ -390,9 +410,24 @@ __device__ __forceinline__ void epilogue(const Gemm1Args& g, const Tile& t, floa
         const float4 x = *reinterpret_cast<const float4*>(epi + tok * kEpiStride + blk * 32 + 4 * q);
         v[4 * q] = x.x, v[4 * q + 1] = x.y, v[4 * q + 2] = x.z, v[4 * q + 3] = x.w;
       }
-      store_h_block(g, t.row0 + half * 64 + tok, t.n0 + cw * 64 + blk * 32, v);
+      store_h_block(g, t.row0 + half * 64 + tok, col0 + blk * 32, v);
     }
     consumer_barrier(cw);  // the staging is free again
+  }
+}
+
+// The warpgroup's output: GEMM1, SwiGLU of its 64 gate/up column pairs; GEMM2, its 128 columns.
+template <bool kSwiglu>
+__device__ __forceinline__ void epilogue(const Gemm1Args& g, const Tile& t, float* epi,
+                                         const float (&acc0)[64], const float (&acc1)[64], int cw,
+                                         int tid, int row_g, int tig) {
+  const int64_t col0 = t.n0 + cw * kWgCols<kSwiglu>;
+  if (kSwiglu) {
+    store_columns(g, t, epi, [&](int i) { return swiglu(acc0[i], acc1[i], g.has_limit, g.limit); },
+                  col0, cw, tid, row_g, tig);
+  } else {
+    store_columns(g, t, epi, [&](int i) { return acc0[i]; }, col0, cw, tid, row_g, tig);
+    store_columns(g, t, epi, [&](int i) { return acc1[i]; }, col0 + 64, cw, tid, row_g, tig);
   }
 }
 
@@ -401,13 +436,14 @@ __device__ __forceinline__ void epilogue(const Gemm1Args& g, const Tile& t, floa
 // 1's while block 0 computes; a stage is freed once both its blocks have retired (wgmma reads its
 // token rows), a scale super-stage once its last fragments are in registers.
 // gate, up: [32 * half + the fragment index] for tokens 64 * half ..; f0, f1: the caller's.
+template <bool kSwiglu>
 __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared& sh, const Tile& t,
                                              int num_k, uint32_t& consumed, int cw, int tid,
                                              float (&gate)[64], float (&up)[64], Frags& f0,
                                              Frags& f1) {
   const int warp = tid / 32, lane = tid % 32;
   const int row_g = warp * 16 + lane / 4, tig = lane % 4;
-  const bool active = t.n0 + cw * 64 < g.I;
+  const bool active = t.n0 + cw * kWgCols<kSwiglu> < g.I;
 #pragma unroll
   for (int i = 0; i < 64; ++i) gate[i] = up[i] = 0.0f;
   // per warp: every lane is done with it
@@ -444,12 +480,13 @@ __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared& sh, con
   fence_acc(gate);
   fence_acc(up);
   release(&sh.empty[(consumed - 1) % STAGES]);
-  if (active) epilogue(g, t, sh.epi[cw], gate, up, cw, tid, row_g, tig);
+  if (active) epilogue<kSwiglu>(g, t, sh.epi[cw], gate, up, cw, tid, row_g, tig);
 }
 
-// maps: see Bf16RsMaps (kernels.h).
-__global__ void __launch_bounds__(THREADS, 1)
-    gemm1_sm90_mx_bf16_rs(const Gemm1Args g_in, const __grid_constant__ Bf16RsMaps maps) {
+// The kernel body of both GEMMs (kSwiglu: see SchedulerFor). maps: see Bf16RsMaps (kernels.h).
+template <bool kSwiglu>
+__device__ __forceinline__ void gemm_body(const Gemm1Args& g_in, const Bf16RsMaps& maps) {
+  using Scheduler = SchedulerFor<kSwiglu>;
   const Gemm1Args g = resolve_slot(g_in);
   extern __shared__ uint8_t smem_raw[];
   // 1024-aligned (the swizzle patterns), as an offset from smem_raw so that the compiler keeps
@@ -472,7 +509,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 88;");
-    if (tid < kWarp) load_stages(g, sh, sched, &maps.xb, &maps.w, &maps.w_scales, tid);
+    if (tid < kWarp) load_stages<kSwiglu>(g, sh, sched, &maps.xb, &maps.w, &maps.w_scales, tid);
     else transform_row_tiles(g, sched, tid - kWarp);
     return;
   }
@@ -480,19 +517,29 @@ __global__ void __launch_bounds__(THREADS, 1)
   asm volatile("setmaxnreg.inc.sync.aligned.u32 208;");
   const int cw = wg - 1, total = sched.total(g), num_k = int(g.H / KS);
   uint32_t consumed = 0;
-  float gate[64], up[64];
+  float gate[64], up[64];  // GEMM2: the warpgroup's first and second 64 columns
   Frags f0 = {}, f1 = {};
   for (int w = blockIdx.x; w < total; w += gridDim.x) {
     const Tile t = sched.tile(g, w);
-    consume_tile(g, sh, t, num_k, consumed, cw, tid, gate, up, f0, f1);
+    consume_tile<kSwiglu>(g, sh, t, num_k, consumed, cw, tid, gate, up, f0, f1);
   }
+}
+
+__global__ void __launch_bounds__(THREADS, 1)
+    gemm1_sm90_mx_bf16_rs(const Gemm1Args g, const __grid_constant__ Bf16RsMaps maps) {
+  gemm_body<true>(g, maps);
+}
+
+__global__ void __launch_bounds__(THREADS, 1)
+    gemm2_sm90_mx_bf16_rs(const Gemm1Args g, const __grid_constant__ Bf16RsMaps maps) {
+  gemm_body<false>(g, maps);
 }
 
 }  // namespace sm90_bf16
 
 void launch_sm90_mx_bf16_rs(const Gemm1Args& g, const Bf16RsMaps& maps, int grid,
-                            cudaStream_t stream) {
-  auto kernel = sm90_bf16::gemm1_sm90_mx_bf16_rs;
+                            cudaStream_t stream, bool swiglu) {
+  auto kernel = swiglu ? sm90_bf16::gemm1_sm90_mx_bf16_rs : sm90_bf16::gemm2_sm90_mx_bf16_rs;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sm90_bf16::kSmemBytes);
   kernel<<<grid, sm90_bf16::THREADS, sm90_bf16::kSmemBytes, stream>>>(g, maps);
 }
