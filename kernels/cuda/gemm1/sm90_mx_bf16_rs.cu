@@ -45,6 +45,9 @@ constexpr int STAGES = 5;
 constexpr int kScaleStages = 8, kScaleBytes = kScaleStages * KS / kBlock;
 constexpr int THREADS = 384;  // producer warpgroup + two consumer warpgroups
 constexpr int kTransformThreads = 96;  // warps 1-3 of the producer warpgroup
+// The transform's work items: quarters (kChunks) of a row tile's H; kBatch blocks' loads in flight
+// per thread (transform_row_tiles).
+constexpr int kChunks = 4, kBatch = 4;
 constexpr int kEpiStride = 68;  // floats per staged token row: 8 * tig + g spreads a warp's stores
 static_assert(TOK == 128 && COLS == 128, "two 64-token halves; two consumer warpgroups");
 
@@ -164,7 +167,7 @@ __device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared& sh,
       // rows that are not there
       const uint32_t* flag = g.xb_ready + w / n_tiles;
       const uint64_t deadline = globaltimer_ns() + (g.timeout_ns ? 2 * g.timeout_ns : 20000000000ull);
-      while (ld_acquire_gpu(flag) == 0)
+      while (ld_acquire_gpu(flag) < uint32_t(kChunks))
         if (globaltimer_ns() > deadline) __trap();
         else __nanosleep(128);
       asm volatile("fence.proxy.async.global;" ::: "memory");  // TMA reads what was acquired
@@ -223,32 +226,45 @@ __device__ __forceinline__ void upcast_block(const uint4& in0, const uint4& in1,
   }
 }
 
-// The transform warps: row tiles rt = blockIdx.x, + gridDim.x, ... of the call, each once its
-// expert's rows have landed (fused: warp 1 waits, bounded), upcast into the workspace, then
-// flagged for every CTA's loader. t: 0..95.
+// The transform warps. Work items: (row tile, quarter of H) in work-item order, CTA b taking items
+// b, b + gridDim.x, ...: an item is upcast once its expert's rows have landed (fused: warp 1 waits,
+// bounded), then counted on its row tile's flag; kChunks counts release the row tile to every
+// CTA's loader. Quarters let 4 CTAs share the first row tiles, which every CTA waits for at the
+// start; each thread keeps kBatch blocks' loads in flight (the loop is latency-bound). t: 0..95.
 template <class Scheduler>
 __device__ __forceinline__ void transform_row_tiles(const Gemm1Args& g, const Scheduler& sched,
                                                     int t) {
-  const int row_tiles = sched.total(g) / Scheduler::n_tiles(g), nblk = int(g.H / kBlock);
+  const int items = sched.total(g) / Scheduler::n_tiles(g) * kChunks, nblk = int(g.H / kBlock);
   int ready = -1;
-  for (int rt = blockIdx.x; rt < row_tiles; rt += gridDim.x) {
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    const int rt = item / kChunks, chunk = item % kChunks;
     const Tile tile = row_tile(g, sched, rt);
+    const int b0 = chunk * nblk / kChunks, width = (chunk + 1) * nblk / kChunks - b0;
     if (t < kWarp) Scheduler::wait_arrival(g, tile.e, ready, t);
     transform_barrier();
-    // (row, block) pairs i = t, t + 96, ...; r and blk follow i without a division
-    int r = t / nblk, blk = t % nblk;
-    while (r < tile.rows) {
-      const int64_t at = (tile.row0 + r) * g.H + blk * kBlock;  // the block's first element
-      const uint4* src = reinterpret_cast<const uint4*>(g.a + at);
-      upcast_block(src[0], src[1], g.a_scales[at / kBlock], g.xb + at * 2);
-      blk += kTransformThreads;
-      while (blk >= nblk) blk -= nblk, ++r;
+    const int n = tile.rows * width;  // (row, block) pairs i = r * width + block - b0
+    for (int i0 = t; i0 < n; i0 += kBatch * kTransformThreads) {
+      uint4 in[kBatch][2];
+      uint32_t e[kBatch];
+      int64_t at[kBatch];  // element offset of the block in the rows
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        const int i = min(i0 + k * kTransformThreads, n - 1);  // (a repeat past n: same bytes)
+        const int64_t row = tile.row0 + i / width;
+        const int blk = b0 + i % width;
+        at[k] = row * g.H + blk * kBlock;
+        in[k][0] = reinterpret_cast<const uint4*>(g.a + at[k])[0];
+        in[k][1] = reinterpret_cast<const uint4*>(g.a + at[k])[1];
+        e[k] = g.a_scales[row * nblk + blk];
+      }
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) upcast_block(in[k][0], in[k][1], e[k], g.xb + at[k] * 2);
     }
     asm volatile("fence.proxy.async.global;" ::: "memory");  // other CTAs' TMA reads them next
     transform_barrier();
     if (t == 0) {
       __threadfence();
-      asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(g.xb_ready + rt), "r"(1u) : "memory");
+      asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(g.xb_ready + rt) : "memory");
     }
   }
 }
