@@ -130,34 +130,36 @@ ffi::Error Gemm2Impl(cudaStream_t stream, ffi::AnyBuffer h, S32Vec expert_offset
   return launch_error(jsm::cuda::gemm1::launch_gemm2(g, jsm::cuda::num_sms(), stream));
 }
 
-// The combine within the rank (engine local; engine xla's sum after its exchange): the CPU
-// backend's arithmetic and bytes (kernels/cuda/stage2/combine_local.h). rets: the (token, slot)
-// index workspace [T * K] int32.
+// Stage2's combine: engine local (and engine xla's sum after its exchange) within the rank, the
+// CPU backend's arithmetic and bytes (kernels/cuda/stage2/combine_local.h); engine sm through the
+// Runtime's windows (kernels/cuda/ep/combine.cu), the same sum. rets: the (token, slot) index
+// workspace [T * K] int32 (engine local's).
 ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer rows, S32Vec src_rank, S32Vec token,
                        S32Vec slot, F32Vec weight, S32Scalar rank, ffi::Result<ffi::AnyBuffer> y,
                        ffi::RemainingRets rets, jsm::DispatchOptions opt, int64_t topk) {
-  if (opt.engine != EngineId::kLocal)
+  if (opt.engine != EngineId::kLocal && opt.engine != EngineId::kSm)
     return jsm::handler::wrong_engine("combine (CUDA)", opt.engine,
-                                      "engine local (engines ce and sm have no combine yet)");
+                                      "engines local and sm (engine ce has no combine yet)");
   JSM_RETURN_IF_ERROR(check_dtype(rows, ffi::DataType::BF16, "combine rows"));
   JSM_RETURN_IF_ERROR(check_dtype(*y, ffi::DataType::BF16, "combine output"));
   const auto yd = y->dimensions();  // [T, H]
+  const jsm::CombineView in{static_cast<const uint16_t*>(rows.untyped_data()),
+                            src_rank.typed_data(),
+                            token.typed_data(),
+                            slot.typed_data(),
+                            weight.typed_data(),
+                            rows_of(rows),
+                            yd[0],
+                            topk,
+                            yd[1],
+                            static_cast<uint16_t*>(y->untyped_data())};
+  if (opt.engine == EngineId::kSm) return engine_error(jsm::ep::combine(stream, in, opt));
   auto row_of = rets.get<ffi::AnyBuffer>(0);
   if (rets.size() != 1 || !row_of.has_value())
     return ffi::Error::InvalidArgument("jax_sdma_moe combine (CUDA): expected 1 workspace result");
   if ((*row_of)->size_bytes() != size_t(yd[0] * topk) * sizeof(int32_t))
     return ffi::Error::InvalidArgument("jax_sdma_moe combine (CUDA): workspace of the wrong size");
-  const jsm::cuda::CombineLocalArgs a{static_cast<const uint16_t*>(rows.untyped_data()),
-                                      src_rank.typed_data(),
-                                      token.typed_data(),
-                                      slot.typed_data(),
-                                      weight.typed_data(),
-                                      rows_of(rows),
-                                      yd[0],
-                                      topk,
-                                      yd[1],
-                                      static_cast<int32_t*>((*row_of)->untyped_data()),
-                                      static_cast<uint16_t*>(y->untyped_data())};
+  const jsm::cuda::CombineLocalArgs a{in, static_cast<int32_t*>((*row_of)->untyped_data())};
   return launch_error(jsm::cuda::launch_combine_local(a, stream));
 }
 

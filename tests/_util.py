@@ -297,13 +297,25 @@ def check_y(tc, y, ref, ids, E):
 MID_LAYER = (1024, 512, 16, 4)
 
 
-def run_moe_on(tc, m, engine, T, H, I, E, K, routing="uniform", swiglu_limit=None):
-  """jsm.moe over the mesh m (its devices: GPUs) against reference.moe (check_y)."""
+def run_moe_on(tc, m, engines, T, H, I, E, K, routing="uniform", swiglu_limit=None):
+  """jsm.moe over the mesh m (its devices: GPUs) with each engine of `engines` (a name or a
+  sequence) on the same inputs: each y against reference.moe (check_y), then the engines' y byte
+  for byte."""
+  engines = (engines,) if isinstance(engines, str) else tuple(engines)
   r = rng()
   R = m.devices.size
-  cfg = jsm.Stage1Config(engine=engine, swiglu_limit=swiglu_limit)
   x, ids, w, w1q = make_problem(r, R, T, H, I, E, K, routing)
   w2q = make_w2q(r, E, H, I)
-  with jsm.Runtime(m, "ep", cfg) as rt:
-    y = moe_fn(m, rt)(*shard(m, (x, ids, w)), *shard(m, (w1q, w2q)))
-  check_y(tc, y, reference_y(x, ids, w, w1q, w2q, R, cfg, T), ids, E)
+  ref, first = None, None
+  for engine in engines:
+    cfg = jsm.Stage1Config(engine=engine, swiglu_limit=swiglu_limit)
+    with jsm.Runtime(m, "ep", cfg) as rt:
+      y = moe_fn(m, rt)(*shard(m, (x, ids, w)), *shard(m, (w1q, w2q)))
+    if ref is None:
+      ref = reference_y(x, ids, w, w1q, w2q, R, cfg, T)
+    check_y(tc, y, ref, ids, E)
+    if first is None:
+      first = (engine, as_bytes(y))
+    else:
+      np.testing.assert_array_equal(as_bytes(y), first[1],
+                                    f"engine {engine}'s y differs from engine {first[0]}'s")

@@ -71,7 +71,7 @@ class Engine:
   def combine_not_built(cls) -> NotImplementedError:
     return NotImplementedError(
         f"engine {cls.name!r} has no combine yet, so jsm.stage2 and jsm.moe cannot run with it "
-        f"({STAGE2_ON_GPUS_ISSUE}); engines with a combine: cpu, local, xla")
+        f"({STAGE2_ON_GPUS_ISSUE}); engines with a combine: cpu, local, xla, sm")
 
   def check(self) -> None:
     """Raises if a bounded wait of an earlier call ran out (engines with device-side waits)."""
@@ -102,7 +102,8 @@ class FfiDispatchEngine(Engine):
     """The handle of the window set this dispatch uses (0: none)."""
     return 0
 
-  def combine_window_set(self) -> int:
+  def combine_window_set(self, rows: jax.Array, out1: Stage1Output, num_tokens: int,
+                         topk: int) -> int:
     """The handle of the window set the combine uses (0: none)."""
     return 0
 
@@ -125,4 +126,5 @@ class FfiDispatchEngine(Engine):
   def combine(self, rows, out1, rank, *, num_tokens, topk):
     return primitives.combine(rows, out1.src_rank, out1.src_token, out1.topk_slot,
                               out1.topk_weight, rank, num_tokens=num_tokens, topk=topk,
-                              options=self.protocol_options(self.combine_window_set()))
+                              options=self.protocol_options(
+                                  self.combine_window_set(rows, out1, num_tokens, topk)))

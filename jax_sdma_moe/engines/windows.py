@@ -8,7 +8,7 @@ import threading
 
 import jax
 
-from .. import primitives
+from .. import layout, primitives
 from .base import Engine, FfiDispatchEngine, gemm1_options
 
 
@@ -36,8 +36,10 @@ class WindowEngine(FfiDispatchEngine):
     """The windows of one dispatch geometry, created at the first trace that needs them (on the
     host, outside any computation). Every process of a multi-process mesh must trace the same
     calls: they exchange what the windows need through jax.distributed's key-value store here."""
-    key = (int(send.values.shape[1]), int(send_counts.shape[1]), int(cap),
-           int(send.values.shape[0]))
+    return self._window_set_of((int(send.values.shape[1]), int(send_counts.shape[1]), int(cap),
+                                int(send.values.shape[0])))
+
+  def _window_set_of(self, key: tuple) -> int:
     if self.runtime.lowering_only:
       return 0  # no windows exist; such a program is lowered, never run (the handler refuses 0)
     with self._lock:
@@ -91,8 +93,15 @@ class WindowEngine(FfiDispatchEngine):
         options=self.dispatch_options(send, send_counts, cap),
         gemm1_options=gemm1_options(self.config), graph=self.graph_capturable)
 
-  # the GPU window engines' combine is not built yet (DESIGN.md §6): Engine.combine's error
+  # the window engines' combine is built for engine sm only (DESIGN.md §6): Engine.combine's
+  # error for the others
   combine = Engine.combine
+
+  def combine_window_set(self, rows, out1, num_tokens, topk):
+    """The dispatch's window set of out1's geometry (H, EL, M_cap, send rows): its return regions
+    take the rows back."""
+    return self._window_set_of((int(rows.shape[1]), int(out1.expert_offsets.shape[0]),
+                                int(out1.src_rank.shape[0]), layout.send_rows(num_tokens, topk)))
 
   def check(self):
     """Raises if a bounded wait of a kernel ran out (recorded on the device: a call with no host

@@ -38,4 +38,16 @@ struct LandedView {
   int32_t* overflow;
 };
 
+// What a combine reads and writes on one rank: GEMM2's rows [m_cap, H] bf16 with the landed rows'
+// headers (src_rank -1: padding), and y [T, H] bf16 of this rank's tokens (K slots each).
+struct CombineView {
+  const uint16_t* rows;
+  const int32_t* src_rank;
+  const int32_t* token;
+  const int32_t* slot;
+  const float* weight;
+  int64_t m_cap, T, K, H;
+  uint16_t* y;
+};
+
 }  // namespace jsm

@@ -11,9 +11,10 @@ namespace jsm {
 // "" when nothing was recorded (code 0); else names rank, peer, what was waited for and the epoch.
 inline std::string describe_wait_error(const EpError& e, int rank, double timeout_s) {
   if (e.code == 0) return "";
-  const std::string what = e.code == 1 ? "the plan (send counts)"
-                                       : "the rows of local expert " + std::to_string(e.expert);
-  return "jax_sdma_moe dispatch: rank " + std::to_string(rank) + " timed out after " +
+  const std::string what = e.code == 1   ? "the plan (send counts)"
+                           : e.code == 3 ? "the rows it returns (combine)"
+                                         : "the rows of local expert " + std::to_string(e.expert);
+  return std::string("jax_sdma_moe ") + (e.code == 3 ? "combine" : "dispatch") + ": rank " + std::to_string(rank) + " timed out after " +
          std::to_string(timeout_s) + " s waiting for " + what + " from peer rank " +
          std::to_string(e.peer) + " (epoch " + std::to_string(e.epoch) +
          "); the peer did not arrive. The Runtime's windows are now out of step: create a new "

@@ -17,6 +17,16 @@
 // Two parities suffice: a source sends epoch n + 2 only after seeing every peer's epoch n + 1
 // plan, which each peer sends after it has read out its epoch n slot (stream order).
 // Flags are compared as (int32_t)(flag - n) >= 0, so epochs may wrap.
+//
+// The way back (Stage2's combine; CUDA engine sm), in a window made with the return regions, has
+// its own epochs m (ret_epoch_counter, one per combine call) on parity q = m & 1:
+//   1. every rank stores each landed row's GEMM2 output at (token * K + slot) of its source's
+//      ret_rows[q], with ret_meta[q] {m, the row's top-k weight}, then (after a system fence, once
+//      all its rows are stored) writes ret_flag[q][r] = m at every rank (its own included);
+//   2. every rank waits until ret_flag[q][d] has reached m for all d (bounded), then sums, per
+//      token, the slots whose ret_meta stamp is m (slots with no row keep an older stamp).
+// Two parities suffice for the same reason as the dispatch's: a rank stores epoch m + 2 only
+// after every peer's epoch m + 1 flag, which each peer raises after it has summed epoch m.
 #pragma once
 
 #include <stdint.h>
@@ -34,6 +44,12 @@ struct RowHeader {
   float weight;
 };
 
+// A returned row's stamp: the combine epoch that stored it, and its top-k weight.
+struct ReturnMeta {
+  uint32_t epoch;
+  float weight;
+};
+
 struct EpWindowLayout {
   int64_t values[2], scales[2], headers[2];  // slot p: [m_cap, H], [m_cap, H/32], [m_cap]
   int64_t plan[2];                           // [R src][R dst * EL] int32
@@ -42,12 +58,17 @@ struct EpWindowLayout {
   int64_t send_headers;                      // [send_rows] RowHeader, this rank's outgoing rows
   int64_t epoch_counter;                     // uint32: this rank's calls so far (device-side, so a
                                              // captured CUDA graph replays correctly)
+  // the return regions (0 where the window has none): slot q [send_rows, H] bf16 rows, indexed
+  // token * K + slot, and their [send_rows] ReturnMeta; ret_flag[q] [R] uint32; the combine's
+  // own call count (uint32)
+  int64_t ret_rows[2], ret_meta[2], ret_flag[2], ret_epoch_counter;
   int64_t bytes;
 };
 
 JSM_HD int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
-JSM_HD EpWindowLayout ep_window_layout(const DispatchGeometry& g) {
+// with_return: also the return regions of the combine (2 * send_rows * (2 H + 8) bytes more).
+JSM_HD EpWindowLayout ep_window_layout(const DispatchGeometry& g, bool with_return = false) {
   EpWindowLayout w{};
   int64_t off = 0;
   auto take = [&off](int64_t bytes) {
@@ -65,6 +86,14 @@ JSM_HD EpWindowLayout ep_window_layout(const DispatchGeometry& g) {
   }
   w.send_headers = take(g.send_rows * int64_t(sizeof(RowHeader)));
   w.epoch_counter = take(4);
+  if (with_return) {
+    for (int q = 0; q < 2; ++q) {
+      w.ret_rows[q] = take(g.send_rows * g.H * 2);
+      w.ret_meta[q] = take(g.send_rows * int64_t(sizeof(ReturnMeta)));
+      w.ret_flag[q] = take(g.R * 4);
+    }
+    w.ret_epoch_counter = take(4);
+  }
   w.bytes = off;
   return w;
 }
@@ -81,7 +110,8 @@ struct PeerTable {
 };
 
 // Written by a kernel whose bounded wait ran out (host-mapped memory, read by the next call's
-// handler and by Runtime.check()). code: 0 none, 1 plan, 2 rows of an expert.
+// handler and by Runtime.check()). code: 0 none, 1 plan, 2 rows of an expert, 3 the rows a peer
+// returns (combine).
 struct EpError {
   uint32_t code, peer, expert, epoch;
 };

@@ -35,14 +35,6 @@ namespace {
 using cuda::EpWindowLayout;
 using cuda::at;
 
-LocalRank* rank_on_current_device(WindowSet& w) {
-  int dev = -1;
-  cudaGetDevice(&dev);
-  for (auto& l : w.local)
-    if (l.device == dev) return &l;
-  return nullptr;
-}
-
 // The previous call's timeline into the statistics, if its events have completed (not when calls
 // are enqueued faster than they run: that call is then not counted). first_chunk: engine ce,
 // whose calls mark their first chunk of peer copies.

@@ -79,5 +79,11 @@ std::string dispatch(void* stream, const DispatchGeometry& g, const SendView& se
                      const LandedView& out, const DispatchOptions& opt, GemmLaunch gemm = nullptr,
                      void* gemm_ctx = nullptr);
 
+// Stage2's way back (engine sm; protocol: kernels/common/ep_window.h): GEMM2's rows [m_cap, H]
+// bf16 with the landed rows' headers, to y [T, H] bf16 of this rank's tokens. Runs on `stream`
+// through the window set opt.window_set (made with the return regions, of send_rows = T * K).
+// Returns "" or an error message.
+std::string combine(void* stream, const CombineView& in, const DispatchOptions& opt);
+
 }  // namespace ep
 }  // namespace jsm

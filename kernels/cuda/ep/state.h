@@ -66,6 +66,14 @@ struct WindowSet {
 // The registered set `id`, or null (windows.cu).
 std::shared_ptr<WindowSet> find_set(int64_t id);
 
+inline LocalRank* rank_on_current_device(WindowSet& w) {
+  int dev = -1;
+  cudaGetDevice(&dev);
+  for (auto& l : w.local)
+    if (l.device == dev) return &l;
+  return nullptr;
+}
+
 inline uint64_t elapsed_ns(std::chrono::steady_clock::time_point since) {
   return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
                       std::chrono::steady_clock::now() - since)

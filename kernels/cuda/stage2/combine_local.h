@@ -8,18 +8,14 @@
 
 #include <string>
 
+#include "kernels/common/dispatch_io.h"
+
 namespace jsm {
 namespace cuda {
 
 struct CombineLocalArgs {
-  const uint16_t* rows;  // GEMM2's rows [m_cap, H] bf16
-  const int32_t* src_rank;  // the landed rows' headers [m_cap] (src_rank -1: padding)
-  const int32_t* token;
-  const int32_t* slot;
-  const float* weight;
-  int64_t m_cap, T, K, H;
+  CombineView in;
   int32_t* row_of;  // workspace [T * K]: the row of each (token, slot), -1 where none
-  uint16_t* y;      // [T, H] bf16
 };
 
 // Enqueues on `stream`: row_of filled from the headers (a header outside T x K, or two rows for
