@@ -1,8 +1,10 @@
-"""One process of a two-process GPU Stage1 run (the `mpirun -n R` launch mode), started by
+"""One process of a two-process GPU run (the `mpirun -n R` launch mode), started by
 test_multigpu.py, JAX using one GPU each: python mp_gpu_worker.py PROCESS_ID NUM_PROCESSES PORT
 SEED. Each process holds one rank; engines ce and sm must land the same bytes on it, equal to the
 reference layout with h of sampled experts within §3, and 20 back-to-back calls per engine stay
-correct; engine xla is refused with a clear error. Prints 'OK rank N' on success."""
+correct; jsm.moe with engine sm (its combine through the IPC-opened windows) matches the
+reference on this rank's tokens in back-to-back calls; engine xla is refused with a clear error.
+Prints 'OK rank N' on success."""
 import os
 import sys
 
@@ -93,6 +95,28 @@ def run(shape_name, T, r, iters=1):
     rt.close()
 
 
+def run_moe(T, r, iters=4):
+  """jsm.moe with engine sm on the mid-size layer: y of this rank's tokens against reference.moe
+  (computed here from the same seeded problem in every process), calls back to back."""
+  H, I, E, K = _util.MID_LAYER
+  cfg = jsm.Stage1Config(engine="sm")
+  with jsm.Runtime(mesh, "ep", cfg) as rt:
+    f = jax.jit(jax.shard_map(lambda x, i, w, q1, q2: jsm.moe(x, (i, w), q1, q2, runtime=rt),
+                              mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    for it in range(iters):
+      routing = ("masked", "uniform")[it % 2]
+      with jax.default_device(local):  # the same problem in every process (one seed)
+        x, ids, w, w1q = _util.make_problem(r, R, T, H, I, E, K, routing)
+        w2q = _util.make_w2q(r, E, H, I)
+        ref = _util.reference_y(x, ids, w, w1q, w2q, R, cfg, T)
+      args = [global_array(np.asarray(a)) for a in (x, ids, w)]
+      weights = [jax.tree.map(lambda a: global_array(np.asarray(a)), q) for q in (w1q, w2q)]
+      y = np.asarray(f(*args, *weights).addressable_shards[0].data)  # [T, H] of this rank
+      _util.check_y(_util.Asserts(), y, ref[pid:pid + 1], np.asarray(ids)[pid * T:(pid + 1) * T],
+                    E)
+    rt.check()
+
+
 try:
   jsm.Runtime(mesh, "ep", jsm.Stage1Config(engine="xla"))
   raise AssertionError("engine xla across GPU processes was not refused")
@@ -105,4 +129,5 @@ run("small", 128, r, iters=20)
 run("small", 1, r)
 run("dsv3", 128, r)
 run("dsv3", 4096, r)
+run_moe(64, r)
 print(f"OK rank {pid}", flush=True)
