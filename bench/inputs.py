@@ -29,11 +29,18 @@ class HostInputs(NamedTuple):
   w1: np.ndarray       # [E, 2I, H] bf16
 
 
-def make_inputs(shape: jsm.MoEShape, R: int, T: int, rng: np.random.Generator) -> HostInputs:
-  H, I, E, K = shape.hidden, shape.intermediate, shape.num_experts, shape.topk
+def make_tokens(shape: jsm.MoEShape, R: int, T: int, rng: np.random.Generator) -> tuple:
+  """(x [R, T, H] bf16, ids [R, T, K] int32 with K distinct experts per token, weights [R, T, K]
+  f32) on the host."""
+  H, E, K = shape.hidden, shape.num_experts, shape.topk
   x = rng.standard_normal((R, T, H), np.float32).astype(jnp.bfloat16)
   ids = np.argsort(rng.random((R, T, E)), axis=-1)[..., :K].astype(np.int32)
-  weights = rng.random((R, T, K), np.float32)
+  return x, ids, rng.random((R, T, K), np.float32)
+
+
+def make_inputs(shape: jsm.MoEShape, R: int, T: int, rng: np.random.Generator) -> HostInputs:
+  H, I, E = shape.hidden, shape.intermediate, shape.num_experts
+  x, ids, weights = make_tokens(shape, R, T, rng)
   w1 = (rng.standard_normal((E, 2 * I, H), np.float32) * W1_SCALE).astype(jnp.bfloat16)
   return HostInputs(x, ids, weights, w1)
 
@@ -53,6 +60,20 @@ def random_w1q(key, E: int, I: int, H: int) -> jsm.QuantizedW1:
   """w1 [E, 2I, H] ~ N(0, 1) * W1_SCALE drawn in bf16, quantised to MX-fp8 (inside a caller's
   jit, the bf16 copy is freed when it returns)."""
   return jsm.quantize_w1(jax.random.normal(key, (E, 2 * I, H), jnp.bfloat16) * W1_SCALE)
+
+
+def random_w2q(key, E: int, I: int, H: int) -> jsm.QuantizedW2:
+  """w2 [E, H, I] ~ N(0, 1) / sqrt(I) drawn in bf16, quantised to MX-fp8 (as random_w1q)."""
+  return jsm.quantize_w2(jax.random.normal(key, (E, H, I), jnp.bfloat16) * (1 / np.sqrt(I)))
+
+
+def default_device_weights(shape: jsm.MoEShape, key) -> tuple:
+  """(w1q [E, 2I, H], w2q [E, H, I]) of the whole layer on the default device, drawn there (the
+  host's generator takes minutes for dsv3's 45 GB of float32 draws)."""
+  E, H, I = shape.num_experts, shape.hidden, shape.intermediate
+  k1, k2 = jax.random.split(key)
+  make = jax.jit(lambda k1, k2: (random_w1q(k1, E, I, H), random_w2q(k2, E, I, H)))
+  return jax.block_until_ready(make(k1, k2))
 
 
 def device_weights(mesh, shape: jsm.MoEShape, key) -> tuple:

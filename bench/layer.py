@@ -173,13 +173,13 @@ def layer_config(args, mesh, shape: jsm.MoEShape, T: int, engines: Sequence[str]
                  rng: np.random.Generator) -> list:
   """One (shape, tokens): inputs, the paths, each checked, then each timed; a row per path."""
   R = mesh.shape[AXIS]
-  E, H, I = shape.num_experts, shape.hidden, shape.intermediate
+  E, H = shape.num_experts, shape.hidden
   if E % R:
     raise SystemExit(f"shape {shape.name}: E = {E} is not a multiple of {R} ranks")
   tag = f"[{shape.name} T={T}]"
-  host = inputs.make_inputs(shape, R, T, rng)
-  w2 = (rng.standard_normal((E, H, I), np.float32) / np.sqrt(I)).astype(jnp.bfloat16)
-  w1q, w2q = jsm.quantize_w1(jnp.asarray(host.w1)), jsm.quantize_w2(jnp.asarray(w2))
+  x, ids, weights = inputs.make_tokens(shape, R, T, rng)
+  host = inputs.HostInputs(x, ids, weights, None)  # (the weights are made on the device)
+  w1q, w2q = inputs.default_device_weights(shape, jax.random.key(int(rng.integers(2**31))))
   sample = np.stack([np.sort(rng.choice(T, min(T, SAMPLE_TOKENS), replace=False))
                      for _ in range(R)]) if T else np.zeros((R, 0), int)
 
