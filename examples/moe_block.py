@@ -2,9 +2,10 @@
 residual, all inside one shard_map — checked against a dense jnp computation of the same block
 (every token through every expert, weighted by its router's top-k).
 
-Runs on 8 virtual CPU devices, and first on the GPUs when there are some. Stage2's GEMM2 and
-combine are built for CPU only so far (DESIGN.md §5), so on GPUs the run says what is missing and
-goes on with the CPU devices. Run: python examples/moe_block.py [--tokens 32] [--platform cpu]
+Runs on 8 virtual CPU devices, and first on the GPUs when there are some (the default engine:
+`local` on one GPU, `sm` on several; where a part of Stage2 is not built for the platform, the run
+says what is missing and goes on with the CPU devices). Run:
+python examples/moe_block.py [--tokens 32] [--platform cpu]
 """
 import argparse
 import os
