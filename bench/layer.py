@@ -32,7 +32,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_sdma_moe as jsm
-from jax_sdma_moe import reference
+from jax_sdma_moe import primitives, reference
 
 from bench import inputs
 from bench.inputs import AXIS
@@ -54,7 +54,21 @@ NOTES = (
     "rows past C are dropped ('drop') and their slots add nothing.",
     "checked before timing: y of a sample of tokens per rank within DESIGN §3 (Stage2) of a "
     "float32 reference computed expert by expert; the engines' y byte-identical.",
+    "disp ms / comb ms: an engine's dispatch alone (jsm.api.dispatch of this call's send buffer) "
+    "and combine alone (jsm.api.combine of this call's GEMM2 rows), median per call; comb/disp "
+    "per B: the combine's time per wire byte over the dispatch's (both move every routed row "
+    "once: a landed row H + H/32 + 16 bytes, a returned row 2H + 8).",
 )
+
+
+def dispatch_row_bytes(H: int) -> int:
+  """A landed row on the wire: fp8 values, scales, its 16-byte header."""
+  return H + H // jsm.layout.BLOCK + 16
+
+
+def combine_row_bytes(H: int) -> int:
+  """A returned row on the wire: bf16 values, its stamp and weight."""
+  return 2 * H + 8
 
 
 def native_layer(inp, w, *, num_ranks: int, experts_per_rank: int, capacity: int,
@@ -139,10 +153,38 @@ def check_y(name: str, y: np.ndarray, ref: np.ndarray, sample: np.ndarray) -> fl
   return worst
 
 
+def stage_times(args, mesh, rt: jsm.Runtime, shape: jsm.MoEShape, T: int, inp, w) -> dict:
+  """An engine's dispatch alone and combine alone on the rows of this call's inputs (inp, w as
+  the layer's), and the combine's time per wire byte over the dispatch's."""
+  R = mesh.shape[AXIS]
+  EL, K, H = shape.num_experts // R, shape.topk, shape.hidden
+  cap = jsm.layout.m_cap(R, T, K, EL, rt.config.row_align, rt.config.max_recv_rows)
+
+  def send(inp):
+    x, ids, weights = inp
+    route = primitives.route(ids, R, EL)
+    return primitives.qpack(x, weights, route.send_pos), route.send_counts
+
+  fn = {name: per_rank_jit(mesh, f) for name, f in (
+      ("send", send),
+      ("dispatch", lambda carry: jsm.api.dispatch(*carry, runtime=rt, cap=cap)),
+      ("stage1", lambda inp, w1q: jsm.stage1(inp[0], inp[1:], w1q, runtime=rt)),
+      ("rows", lambda out1, w2q: jsm.api.gemm2_rows(out1, w2q, runtime=rt)),
+      ("combine", lambda rows, out1: jsm.api.combine(rows, out1, runtime=rt)))}
+  carry = fn["send"](inp)
+  out1 = fn["stage1"](inp, w[0])
+  rows = fn["rows"](out1, w[1])
+  dispatch = time_calls(fn["dispatch"], (carry,), args.iters, args.warmup)["median_ms"]
+  combine = time_calls(fn["combine"], (rows, out1), args.iters, args.warmup)["median_ms"]
+  return {"dispatch_ms": dispatch, "combine_ms": combine,
+          "combine_vs_dispatch_per_byte": (combine / combine_row_bytes(H)) /
+                                          (dispatch / dispatch_row_bytes(H))}
+
+
 def layer_paths(args, mesh, shape: jsm.MoEShape, T: int, host: inputs.HostInputs, w1q, w2q,
                 engines: Sequence[str], skip: set, closing: contextlib.ExitStack) -> list:
-  """(name, kind, jitted fn(inp, w), inp, w) of jsm.moe per engine (`closing` closes their
-  Runtimes) and of the JAX-native layer unless --skip-native names einsum."""
+  """(name, kind, jitted fn(inp, w), inp, w, Runtime or None) of jsm.moe per engine (`closing`
+  closes their Runtimes) and of the JAX-native layer unless --skip-native names einsum."""
   R = mesh.shape[AXIS]
   E, K = shape.num_experts, shape.topk
   EL = E // R
@@ -157,7 +199,7 @@ def layer_paths(args, mesh, shape: jsm.MoEShape, T: int, host: inputs.HostInputs
     closing.callback(rt.close)
     fn = per_rank_jit(mesh, lambda inp, w, rt=rt: jsm.moe(inp[0], inp[1:], *w, runtime=rt))
     paths.append((f"engine:{engine}", "engine", fn, (put(host.x), ids, weights),
-                  (per_rank(w1q), per_rank(w2q))))
+                  (per_rank(w1q), per_rank(w2q)), rt))
   if "einsum" not in skip:
     capacity = max(1, math.ceil(args.capacity_factor * T * K / E))
     fn = per_rank_jit(mesh, functools.partial(
@@ -165,7 +207,8 @@ def layer_paths(args, mesh, shape: jsm.MoEShape, T: int, host: inputs.HostInputs
         swiglu_limit=shape.swiglu_limit))
     paths.append((f"native:layer(cf={args.capacity_factor:g})", "native", fn,
                   (put(inputs.native_x(jnp.asarray(host.x))), ids, weights),
-                  (put(inputs.native_w1(by_rank(w1q))), put(inputs.native_w1(by_rank(w2q))))))
+                  (put(inputs.native_w1(by_rank(w1q))), put(inputs.native_w1(by_rank(w2q)))),
+                  None))
   return paths
 
 
@@ -194,8 +237,8 @@ def layer_config(args, mesh, shape: jsm.MoEShape, T: int, engines: Sequence[str]
   engine_ref = ref_for(host.ids)
   rows, engine_y = [], {}
   with contextlib.ExitStack() as closing:
-    for name, kind, fn, inp, w in layer_paths(args, mesh, shape, T, host, w1q, w2q, engines,
-                                              skip, closing):
+    for name, kind, fn, inp, w, rt in layer_paths(args, mesh, shape, T, host, w1q, w2q,
+                                                  engines, skip, closing):
       progress(f"{tag} {name}: checking")
       row = {"shape": shape.name, "tokens": T, "ranks": R, "path": name, "kind": kind}
       try:
@@ -216,6 +259,9 @@ def layer_config(args, mesh, shape: jsm.MoEShape, T: int, engines: Sequence[str]
           row["max_rel_err"] = check_y(name, y, engine_ref, sample)
       progress(f"{tag} {name}: timing")
       row.update(time_calls(fn, (inp, w), args.iters, args.warmup), first_call_s=first_s)
+      if rt is not None:
+        progress(f"{tag} {name}: dispatch alone, combine alone")
+        row.update(stage_times(args, mesh, rt, shape, T, inp, w))
       rows.append(row)
   names = list(engine_y)
   for name in names[1:]:
@@ -233,11 +279,13 @@ def layer_config(args, mesh, shape: jsm.MoEShape, T: int, engines: Sequence[str]
 def format_layer_table(rows: Sequence[dict]) -> str:
   cols = [("shape", 6, "{}"), ("T", 5, "{}"), ("path", 22, "{}"), ("layer ms", 9, "{:.3f}"),
           ("p90 ms", 8, "{:.3f}"), ("pipe ms", 8, "{:.3f}"), ("vs nat", 7, "{:.2f}x"),
-          ("drop", 6, "{}"), ("max rel err", 11, "{:.1e}")]
+          ("drop", 6, "{}"), ("max rel err", 11, "{:.1e}"), ("disp ms", 8, "{:.3f}"),
+          ("comb ms", 8, "{:.3f}"), ("comb/disp per B", 15, "{:.2f}")]
   table = [[r["shape"], r["tokens"], r["path"], *(
-      [f"failed: {r['failed']}", None, None, None, None, None] if "failed" in r else
+      [f"failed: {r['failed']}"] + [None] * 8 if "failed" in r else
       [r["median_ms"], r["p90_ms"], r["pipelined_ms"], r["vs_native"], r["dropped"],
-       r["max_rel_err"]])] for r in rows]
+       r["max_rel_err"], r.get("dispatch_ms"), r.get("combine_ms"),
+       r.get("combine_vs_dispatch_per_byte")])] for r in rows]
   return "\n".join(render_table(cols, table, left=3) + [f"- {n}" for n in NOTES])
 
 

@@ -241,10 +241,22 @@ def stage2(out1: Stage1Output, w2q: QuantizedW2, *, runtime: Runtime) -> jax.Arr
                if runtime.platform == "cuda" else 0)  # (CUDA gemm2's and combine's, DESIGN §5)
   runtime.check_memory(f"stage2 of T = {T} tokens of H = {H} from M_cap = {M} landing rows",
                        stage2_bytes(M, T, K, H, I) + workspace)
+  return combine(gemm2_rows(out1, w2q, runtime=runtime), out1, runtime=runtime)
+
+
+def gemm2_rows(out1: Stage1Output, w2q: QuantizedW2, *, runtime: Runtime) -> jax.Array:
+  """Stage2's GEMM alone (inside shard_map; stage2 runs it after its checks): GEMM2 of every
+  landed row of out1 -> rows [M_cap, H] bf16 in out1's §4 layout, what combine takes."""
   # q(h) along I (§3 Stage2) as its own call on every platform: the same bytes as the CPU gemm2's
   # own quantisation of bf16 rows, and the CUDA gemm2 takes MX-fp8 rows only
   h = out1.h if isinstance(out1.h, MXFP8) else primitives.quantize(out1.h)
-  rows = primitives.gemm2(h, out1.expert_offsets, out1.expert_counts, w2q)
+  return primitives.gemm2(h, out1.expert_offsets, out1.expert_counts, w2q)
+
+
+def combine(rows: jax.Array, out1: Stage1Output, *, runtime: Runtime) -> jax.Array:
+  """Stage2's way back alone with the Runtime's engine (inside shard_map; stage2 runs it after its
+  checks): rows [M_cap, H] bf16 of gemm2_rows -> y [T, H] bf16 of this rank's tokens."""
+  T, K = out1.send_pos.shape
   return runtime.engine.combine(rows, out1, lax.axis_index(runtime.axis_name), num_tokens=T,
                                 topk=K)
 
