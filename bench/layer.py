@@ -195,7 +195,8 @@ def layer_paths(args, mesh, shape: jsm.MoEShape, T: int, host: inputs.HostInputs
   paths = []
   for engine in engines:
     rt = jsm.Runtime(mesh, AXIS, jsm.Stage1Config(engine=engine, row_align=args.row_align,
-                                                  swiglu_limit=shape.swiglu_limit))
+                                                  swiglu_limit=shape.swiglu_limit,
+                                                  gemm_tile_tokens=args.gemm_tile_tokens))
     closing.callback(rt.close)
     fn = per_rank_jit(mesh, lambda inp, w, rt=rt: jsm.moe(inp[0], inp[1:], *w, runtime=rt))
     paths.append((f"engine:{engine}", "engine", fn, (put(host.x), ids, weights),

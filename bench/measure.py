@@ -252,7 +252,10 @@ def gemm1_config(args, device, shape: jsm.MoEShape, rows: int, experts: int, cei
          "rows_total": rows, "experts": experts, "gemm1_flops": flops}
   progress(f"{tag} making inputs")
   landed, w1q = inputs.gemm1_inputs(shape, counts, args.row_align, key)
-  options = primitives.Gemm1Options(swiglu_limit=shape.swiglu_limit, out_dtype="bf16")
+  options = primitives.Gemm1Options(
+      swiglu_limit=shape.swiglu_limit, out_dtype="bf16",
+      tile_tokens=layout.gemm_tile_tokens(rows / experts, args.gemm_tile_tokens))
+  row["tile_tokens"] = options.tile_tokens
   fn = jax.jit(lambda landed, w: primitives.gemm1(*landed, w, options=options))
   try:
     progress(f"{tag} gemm1: checking")

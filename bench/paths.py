@@ -67,7 +67,10 @@ def engine_path(mesh, rt: jsm.Runtime, shape: jsm.MoEShape, cap: int, inputs, w1
     send, send_counts = carry
     return jsm.api.dispatch(send, send_counts, runtime=rt, cap=cap)
 
-  options = primitives.Gemm1Options(swiglu_limit=cfg.swiglu_limit, out_dtype=cfg.out_dtype)
+  ids = inputs[1]  # [R, T, K]: the tile jsm.stage1 picks for these rows per expert
+  options = primitives.Gemm1Options(
+      swiglu_limit=cfg.swiglu_limit, out_dtype=cfg.out_dtype,
+      tile_tokens=layout.gemm_tile_tokens(ids.shape[1] * ids.shape[2] / EL, cfg.gemm_tile_tokens))
 
   def gemm1(landed, w):
     return primitives.gemm1(landed.values, landed.scales, landed.expert_offsets,
@@ -88,7 +91,9 @@ def engine_paths(args, mesh, shape: jsm.MoEShape, cap: int, inputs, w1q, engines
     for blocks in ([int(b) for b in args.sm_blocks.split(",")] if engine == "sm" else [None]):
       extra = {} if blocks is None else {"sm_dispatch_blocks": blocks}
       rt = jsm.Runtime(mesh, AXIS, jsm.Stage1Config(engine=engine, row_align=args.row_align,
-                                                    swiglu_limit=shape.swiglu_limit, **extra))
+                                                    swiglu_limit=shape.swiglu_limit,
+                                                    gemm_tile_tokens=args.gemm_tile_tokens,
+                                                    **extra))
       closing.callback(rt.close)
       path = engine_path(mesh, rt, shape, cap, inputs, w1q, compute_dtype)
       if blocks is not None and "," in args.sm_blocks:

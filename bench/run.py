@@ -98,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--sm-blocks", default="24",
                  help="engine sm: comma list of Stage1Config.sm_dispatch_blocks, one path each "
                       "(the SMs the dispatch takes from the GEMM; default: %(default)s)")
+  p.add_argument("--gemm-tile-tokens", type=int,
+                 help="Stage1Config.gemm_tile_tokens, the CUDA bf16 GEMMs' tile width, one of "
+                      "jax_sdma_moe.layout.GEMM_TILE_TOKENS (default: the library's choice by "
+                      "rows per expert)")
   p.add_argument("--capacity-factor", type=float, default=1.25,
                  help="all_to_all+einsum baseline: capacity / mean rows per (source, expert) "
                       "(default: %(default)s)")

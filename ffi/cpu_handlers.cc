@@ -166,7 +166,8 @@ ffi::Error Gemm1Impl(ffi::AnyBuffer a_values, ffi::AnyBuffer a_scales,
 
 ffi::Error Gemm2Impl(ffi::AnyBuffer h, S32Vec expert_offsets, S32Vec expert_counts,
                      ffi::AnyBuffer w_values, ffi::AnyBuffer w_scales,
-                     std::optional<ffi::AnyBuffer> h_scales, ffi::Result<ffi::AnyBuffer> y) {
+                     std::optional<ffi::AnyBuffer> h_scales, ffi::Result<ffi::AnyBuffer> y,
+                     int64_t /*tile_tokens: the CUDA kernel's*/) {
   JSM_RETURN_IF_ERROR(check_dtype(w_values, ffi::DataType::F8E4M3FN, "gemm2 weights"));
   JSM_RETURN_IF_ERROR(check_dtype(*y, ffi::DataType::BF16, "gemm2 output"));
   if (h_scales.has_value()) {

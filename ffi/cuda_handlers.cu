@@ -103,7 +103,7 @@ ffi::Error Gemm1Impl(cudaStream_t stream, ffi::AnyBuffer a_values, ffi::AnyBuffe
 ffi::Error Gemm2Impl(cudaStream_t stream, ffi::AnyBuffer h, S32Vec expert_offsets,
                      S32Vec expert_counts, ffi::AnyBuffer w_values, ffi::AnyBuffer w_scales,
                      std::optional<ffi::AnyBuffer> h_scales, ffi::Result<ffi::AnyBuffer> y,
-                     ffi::RemainingRets rets) {
+                     ffi::RemainingRets rets, int64_t tile_tokens) {
   JSM_RETURN_IF_ERROR(check_dtype(w_values, ffi::DataType::F8E4M3FN, "gemm2 weights"));
   JSM_RETURN_IF_ERROR(check_dtype(*y, ffi::DataType::BF16, "gemm2 output"));
   if (!h_scales.has_value())
@@ -127,7 +127,8 @@ ffi::Error Gemm2Impl(cudaStream_t stream, ffi::AnyBuffer h, S32Vec expert_offset
   g.h_bf16 = static_cast<uint16_t*>(y->untyped_data());
   JSM_RETURN_IF_ERROR(check_experts(g));
   JSM_RETURN_IF_ERROR(decode_workspace(rets, 0, g.m_cap, g.H, &g));
-  return launch_error(jsm::cuda::gemm1::launch_gemm2(g, jsm::cuda::num_sms(), stream));
+  return launch_error(
+      jsm::cuda::gemm1::launch_gemm2(g, jsm::cuda::num_sms(), stream, tile_tokens));
 }
 
 // Stage2's combine: engine local (and engine xla's sum after its exchange) within the rank, the

@@ -21,4 +21,5 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jsm::DispatchOptions,
 // attribute `gemm1`
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jsm::Gemm1Options,
                                       ::xla::ffi::StructMember<bool>("has_limit"),
-                                      ::xla::ffi::StructMember<float>("swiglu_limit"));
+                                      ::xla::ffi::StructMember<float>("swiglu_limit"),
+                                      ::xla::ffi::StructMember<int64_t>("tile_tokens"));

@@ -126,14 +126,17 @@ auto with_workspace(Stage stage) {
 }
 
 // y [M_cap, H] bf16 <- h (bf16 [M_cap, I], or MX-fp8 values), expert_offsets, expert_counts,
-// w2 values [EL, H, I], w2 scales, then h scales when h is MX-fp8
+// w2 values [EL, H, I], w2 scales, then h scales when h is MX-fp8; attribute `tile_tokens` (the
+// CUDA bf16 kernel's tile, as Gemm1Options.tile_tokens)
 template <bool kWorkspace = false, class B>
 auto gemm2(B b) {
   return with_workspace<kWorkspace>([&] {
-    return std::move(b)
-        .template Arg<Any>().template Arg<S32Vec>().template Arg<S32Vec>().template Arg<Any>()
-        .template Arg<Any>().template OptionalArg<Any>().template Ret<Any>();
-  });
+           return std::move(b)
+               .template Arg<Any>().template Arg<S32Vec>().template Arg<S32Vec>()
+               .template Arg<Any>().template Arg<Any>().template OptionalArg<Any>()
+               .template Ret<Any>();
+         })
+      .template Attr<int64_t>("tile_tokens");
 }
 
 // y [T, H] bf16 <- GEMM2's rows [M_cap, H] bf16, src_rank, token, slot, weight (the landed rows'

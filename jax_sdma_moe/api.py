@@ -250,7 +250,11 @@ def gemm2_rows(out1: Stage1Output, w2q: QuantizedW2, *, runtime: Runtime) -> jax
   # q(h) along I (§3 Stage2) as its own call on every platform: the same bytes as the CPU gemm2's
   # own quantisation of bf16 rows, and the CUDA gemm2 takes MX-fp8 rows only
   h = out1.h if isinstance(out1.h, MXFP8) else primitives.quantize(out1.h)
-  return primitives.gemm2(h, out1.expert_offsets, out1.expert_counts, w2q)
+  T, K = out1.send_pos.shape
+  EL = out1.expert_offsets.shape[0]
+  return primitives.gemm2(h, out1.expert_offsets, out1.expert_counts, w2q,
+                          tile_tokens=layout.gemm_tile_tokens(T * K / EL,
+                                                              runtime.config.gemm_tile_tokens))
 
 
 def combine(rows: jax.Array, out1: Stage1Output, *, runtime: Runtime) -> jax.Array:

@@ -5,6 +5,7 @@ import dataclasses
 from typing import Optional
 
 from . import engines
+from .layout import GEMM_TILE_TOKENS
 
 ENGINE_NAMES = (*engines.ENGINES, *engines.NOT_BUILT)
 OUT_DTYPES = ("bf16", "mxfp8")
@@ -46,6 +47,9 @@ class Stage1Config:
   timeout_s: bound on every wait for a peer; on expiry the call fails naming rank and peer.
   fault_*: fault injection for tests: a rank that never takes part, or one that starts late.
   sm_dispatch_blocks: thread blocks (one per SM) the "sm" engine spends on storing rows to peers.
+  gemm_tile_tokens: the CUDA bf16 GEMMs' tile width, one of layout.GEMM_TILE_TOKENS (128, 32);
+    None picks 32 where experts hold at most 32 rows on average (T*K/E_local: weight-bound
+    calls), else 128 (layout.gemm_tile_tokens). Results are the same bytes either way.
   """
   engine: Optional[str] = None
   row_align: int = 128
@@ -57,6 +61,7 @@ class Stage1Config:
   fault_delay_rank: int = -1
   fault_delay_ms: int = 0
   sm_dispatch_blocks: int = 24
+  gemm_tile_tokens: Optional[int] = None
 
   def __post_init__(self):
     if self.engine is not None and self.engine not in ENGINE_NAMES:
@@ -77,3 +82,6 @@ class Stage1Config:
     if not isinstance(self.sm_dispatch_blocks, int) or not 1 <= self.sm_dispatch_blocks <= 1024:
       raise ValueError("Stage1Config.sm_dispatch_blocks must be an int in [1, 1024], got "
                        f"{self.sm_dispatch_blocks!r}")
+    if self.gemm_tile_tokens is not None and self.gemm_tile_tokens not in GEMM_TILE_TOKENS:
+      raise ValueError(f"Stage1Config.gemm_tile_tokens must be None or one of "
+                       f"{GEMM_TILE_TOKENS}, got {self.gemm_tile_tokens!r}")

@@ -23,14 +23,33 @@ def send_rows(tokens: int, topk: int) -> int:
   return tokens * topk
 
 
+# The CUDA bf16-route GEMM's tiles (kernels/cuda/gemm1/args.h): tokens per tile, the large one
+# first. The small tile serves weight-bound calls, where experts hold few rows.
+GEMM_TILE_TOKENS = (128, 32)
+
+
+def gemm_tile_tokens(rows_per_expert: float, override=None) -> int:
+  """The CUDA bf16 GEMMs' tile width for a call whose experts hold rows_per_expert rows on average
+  (T*K/EL, dropless and uniform): the small tile up to its own width, where the large one would
+  spend most of its tensor time on padding and the call streams weights (docs/PERF.md §3);
+  `override` (Stage1Config.gemm_tile_tokens) wins when given."""
+  if override is not None:
+    if override not in GEMM_TILE_TOKENS:
+      raise ValueError(f"gemm_tile_tokens must be one of {GEMM_TILE_TOKENS}, got {override!r}")
+    return int(override)
+  large, small = GEMM_TILE_TOKENS
+  return small if rows_per_expert <= small else large
+
+
 def bf16_gemm_workspace(cap: int, depth: int, experts_per_rank: int, applies: bool):
   """The CUDA bf16-route GEMM's workspace (DESIGN §5), as ((shape, dtype), ...): the landed rows
-  upcast to bf16 once per call ([cap, 2*depth] bytes) and one flag per row tile of 128 rows
-  (cap // 128 + experts_per_rank: kernels/cuda/gemm1/args.h bf16_row_tiles_bound). Empty where
+  upcast to bf16 once per call ([cap, 2*depth] bytes) and one flag per row tile of the smaller
+  tile (cap // 32 + experts_per_rank: kernels/cuda/gemm1/args.h bf16_row_tiles_bound). Empty where
   the kernel does not apply."""
   if not applies:
     return ((0,), jnp.uint8), ((0,), jnp.uint32)
-  return ((cap, 2 * depth), jnp.uint8), ((cap // 128 + experts_per_rank,), jnp.uint32)
+  return ((cap, 2 * depth), jnp.uint8), ((cap // min(GEMM_TILE_TOKENS) + experts_per_rank,),
+                                          jnp.uint32)
 
 
 def gemm1_workspace(cap: int, hidden: int, intermediate: int, experts_per_rank: int):

@@ -18,7 +18,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from .layout import BLOCK, gemm1_workspace, gemm2_workspace
+from .layout import BLOCK, GEMM_TILE_TOKENS, gemm1_workspace, gemm2_workspace
 from .types import MXFP8, Landed, Route, SendBuffer
 
 F8 = jnp.float8_e4m3fn
@@ -106,13 +106,16 @@ class DispatchOptions:
 
 @dataclasses.dataclass(frozen=True)
 class Gemm1Options:
-  """What a gemm1 handler reads (C++: jsm::Gemm1Options): the SwiGLU clamp and the output."""
+  """What a gemm1 handler reads (C++: jsm::Gemm1Options): the SwiGLU clamp, the output, and the
+  CUDA bf16 kernel's tile width (layout.GEMM_TILE_TOKENS; the other kernels ignore it)."""
   swiglu_limit: Optional[float] = None
   out_dtype: str = "bf16"
+  tile_tokens: int = GEMM_TILE_TOKENS[0]
 
   def ffi_attr(self) -> dict:
     return {"has_limit": np.bool_(self.swiglu_limit is not None),
-            "swiglu_limit": np.float32(self.swiglu_limit or 0.0)}
+            "swiglu_limit": np.float32(self.swiglu_limit or 0.0),
+            "tile_tokens": np.int64(self.tile_tokens)}
 
 
 def _aval(shape, dtype):
@@ -284,18 +287,22 @@ def dispatch_gemm1(send: SendBuffer, send_counts: jax.Array, rank: jax.Array, w1
 
 # --- gemm2 (Stage2) --------------------------------------------------------------------------
 
-_gemm2_p = _make("gemm2", lambda h, offsets, counts, w_values, w_scales, *h_scales: (
-    _aval((h.shape[0], w_values.shape[1]), jnp.bfloat16),),
-    cuda_workspace=lambda h, offsets, counts, w_values, w_scales, *h_scales: gemm2_workspace(
+_gemm2_p = _make(
+    "gemm2", lambda h, offsets, counts, w_values, w_scales, *h_scales, tile_tokens: (
+        _aval((h.shape[0], w_values.shape[1]), jnp.bfloat16),),
+    lambda p: {"tile_tokens": np.int64(p["tile_tokens"])},
+    cuda_workspace=lambda h, offsets, counts, w_values, w_scales, *h_scales, **_: gemm2_workspace(
         h.shape[0], w_values.shape[1], w_values.shape[2], w_values.shape[0]))
 
 
-def gemm2(h, expert_offsets: jax.Array, expert_counts: jax.Array, w2) -> jax.Array:
+def gemm2(h, expert_offsets: jax.Array, expert_counts: jax.Array, w2, *,
+          tile_tokens: int = GEMM_TILE_TOKENS[0]) -> jax.Array:
   """GEMM2 of the landed rows: h [M_cap, I] (bf16, quantised along I in the call — CPU only; the
   CUDA handler takes MXFP8 rows, see jsm.stage2 — or MXFP8), w2 QuantizedW2 [EL, H, I] ->
-  [M_cap, H] bf16, padding rows 0."""
+  [M_cap, H] bf16, padding rows 0. tile_tokens: the CUDA bf16 kernel's tile (as Gemm1Options)."""
   values, scales = (h.values, (h.scales,)) if isinstance(h, MXFP8) else (h, ())
-  return _bind(_gemm2_p, values, expert_offsets, expert_counts, w2.values, w2.scales, *scales)[0]
+  return _bind(_gemm2_p, values, expert_offsets, expert_counts, w2.values, w2.scales, *scales,
+               tile_tokens=int(tile_tokens))[0]
 
 
 # --- combine (Stage2) ------------------------------------------------------------------------

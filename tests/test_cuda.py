@@ -48,18 +48,19 @@ def cpu_ref(fn, *args, **kw):
 _STAGE1 = {}
 
 
-def local_stage1(shape_name, out_dtype):
-  """(config, jitted stage1) of engine local on the GPU, one per shape and output dtype: the cases
-  of a shape and T compile once (one Runtime reused across tests, as users do)."""
-  if (shape_name, out_dtype) not in _STAGE1:
+def local_stage1(shape_name, out_dtype, tile=None):
+  """(config, jitted stage1) of engine local on the GPU, one per shape, output dtype and GEMM tile
+  (Stage1Config.gemm_tile_tokens): the cases of a shape and T compile once (one Runtime reused
+  across tests, as users do)."""
+  if (shape_name, out_dtype, tile) not in _STAGE1:
     mesh = jax.sharding.Mesh(np.array([GPU]), ("ep",))
     cfg = jsm.Stage1Config(engine="local", swiglu_limit=jsm.SHAPES[shape_name].swiglu_limit,
-                           out_dtype=out_dtype)
+                           out_dtype=out_dtype, gemm_tile_tokens=tile)
     rt = jsm.Runtime(mesh, "ep", cfg)
     f = jax.jit(jax.shard_map(lambda x, i, w, q: jsm.stage1(x, (i, w), q, runtime=rt),
                               mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
-    _STAGE1[shape_name, out_dtype] = (cfg, f)
-  return _STAGE1[shape_name, out_dtype]
+    _STAGE1[shape_name, out_dtype, tile] = (cfg, f)
+  return _STAGE1[shape_name, out_dtype, tile]
 
 
 @absltest.skipIf(GPU is None, WHY or "")
@@ -114,10 +115,9 @@ class CudaGemm1Test(parameterized.TestCase):
   def w1q(self, name, wide=False):
     return _util.random_w1q(name, GPU, wide)
 
-  @parameterized.named_parameters(*SHAPE_CASES)
-  def test_stage1_local(self, shape_name, T, routing):
-    s = jsm.SHAPES[shape_name]
-    r = _util.rng()
+  @staticmethod
+  def inputs(s, T, routing, r):
+    """x [T, H] bf16, ids [T, K], weights [T, K] of one rank on the GPU."""
     E, K, H = s.num_experts, s.topk, s.hidden
     if routing == "skewed":  # one expert gets every token, most experts none
       ids = np.stack([np.concatenate([[0], 1 + r.permutation(7)[:K - 1]]) for _ in range(T)])
@@ -126,21 +126,53 @@ class CudaGemm1Test(parameterized.TestCase):
     x = r.standard_normal((T, H)) * r.uniform(0.5, 2, (T, 1))
     if routing == "wide":  # rows 2^-40 .. 2^20 (MX scales far from 127; expert weights too)
       x = x * np.exp2(r.integers(-40, 21, (T, 1)))
-    x = jnp.asarray(x, jnp.bfloat16)
-    w = jnp.asarray(r.random((T, K)), jnp.float32)
+    return (on(GPU, jnp.asarray(x, jnp.bfloat16)), on(GPU, jnp.asarray(ids, jnp.int32)),
+            on(GPU, jnp.asarray(r.random((T, K)), jnp.float32)))
+
+  def run_and_check_layout(self, s, cfg, f, x, ids, w, w1q):
+    """stage1's output, and the reference landing, whose §4 layout it must equal."""
+    out = f(x, ids, w, w1q)
+    cap = jsm.layout.m_cap(1, x.shape[0], s.topk, s.num_experts, cfg.row_align)
+    landed = jax.jit(reference.dispatch, static_argnums=(3, 4, 5))(
+        jax.tree.map(lambda a: a[None], jsm.quantize(x)), ids[None], w[None], s.num_experts,
+        cfg.row_align, cap)
+    for name in _util.LANDED_FIELDS:
+      np.testing.assert_array_equal(np.asarray(getattr(out, name)),
+                                    np.asarray(getattr(landed, name))[0], err_msg=name)
+    return out, landed
+
+  @parameterized.named_parameters(*SHAPE_CASES)
+  def test_stage1_local(self, shape_name, T, routing):
+    s = jsm.SHAPES[shape_name]
+    r = _util.rng()
+    x, ids, w = self.inputs(s, T, routing, r)
     w1q = self.w1q(shape_name, wide=routing == "wide")
     # MX-fp8 output where there are rows to speak of (each output dtype is a compile)
     for out_dtype in ("bf16", "mxfp8") if T >= 128 else ("bf16",):
       cfg, f = local_stage1(shape_name, out_dtype)
-      out = f(on(GPU, x), on(GPU, jnp.asarray(ids, jnp.int32)), on(GPU, w), w1q)
-      cap = jsm.layout.m_cap(1, T, K, E, cfg.row_align)
-      landed = jax.jit(reference.dispatch, static_argnums=(3, 4, 5))(
-          jax.tree.map(lambda a: a[None], jsm.quantize(on(GPU, x))),
-          on(GPU, jnp.asarray(ids, jnp.int32))[None], on(GPU, w)[None], E, cfg.row_align, cap)
-      for name in _util.LANDED_FIELDS:
-        np.testing.assert_array_equal(np.asarray(getattr(out, name)),
-                                      np.asarray(getattr(landed, name))[0], err_msg=name)
+      out, landed = self.run_and_check_layout(s, cfg, f, x, ids, w, w1q)
       self.check_experts(out, landed, w1q, s.swiglu_limit, out_dtype, r)
+
+  @parameterized.parameters("bf16", "mxfp8")
+  def test_tile_widths_give_the_same_bytes(self, out_dtype):
+    """The bf16 GEMM's small and large tiles (Stage1Config.gemm_tile_tokens) on the same rows:
+    h byte for byte, and the small tile's against the reference. dsv3, 768 tokens: ~24 rows per
+    expert, so some experts fill more than one small tile and every large tile is mostly
+    padding."""
+    s = jsm.SHAPES["dsv3"]
+    r = _util.rng()
+    x, ids, w = self.inputs(s, 768, "uniform", r)
+    w1q = self.w1q("dsv3")
+    outs = {}
+    for tile in jsm.layout.GEMM_TILE_TOKENS:
+      cfg, f = local_stage1("dsv3", out_dtype, tile)
+      outs[tile], landed = self.run_and_check_layout(s, cfg, f, x, ids, w, w1q)
+    large, small = (outs[t] for t in jsm.layout.GEMM_TILE_TOKENS)
+    self.assertGreater(int(np.max(np.asarray(small.expert_counts))),
+                       min(jsm.layout.GEMM_TILE_TOKENS), "no expert spans two small tiles")
+    for a, b in zip(jax.tree.leaves(large.h), jax.tree.leaves(small.h)):
+      np.testing.assert_array_equal(_util.as_bytes(a), _util.as_bytes(b))
+    self.check_experts(small, landed, w1q, s.swiglu_limit, out_dtype, r)
 
   def check_experts(self, out, landed, w1q, limit, out_dtype, r):
     offs, cnts = np.asarray(out.expert_offsets), np.asarray(out.expert_counts)

@@ -95,9 +95,21 @@ class ErrorsTest(parameterized.TestCase):
       jsm.Runtime(self.mesh, "ep", jsm.Stage1Config(fault_absent_rank=8))
     for kw, pattern in [({"engine": "nccl"}, "engine"), ({"row_align": 0}, "row_align"),
                         ({"max_recv_rows": 0}, "max_recv_rows"), ({"out_dtype": "fp4"}, "out_dtype"),
-                        ({"swiglu_limit": -1.0}, "swiglu_limit"), ({"timeout_s": 0}, "timeout_s")]:
+                        ({"swiglu_limit": -1.0}, "swiglu_limit"), ({"timeout_s": 0}, "timeout_s"),
+                        ({"gemm_tile_tokens": 64}, "gemm_tile_tokens")]:
       with self.subTest(str(kw)), self.assertRaisesRegex(ValueError, pattern):
         jsm.Stage1Config(**kw)
+
+  def test_gemm_tile_choice(self):
+    """The CUDA GEMM's tile: the small one up to its width in rows per expert, else the large;
+    an explicit choice wins; anything else is refused."""
+    large, small = jsm.layout.GEMM_TILE_TOKENS
+    self.assertEqual(jsm.layout.gemm_tile_tokens(small), small)
+    self.assertEqual(jsm.layout.gemm_tile_tokens(small + 0.5), large)
+    self.assertEqual(jsm.layout.gemm_tile_tokens(1000, small), small)
+    self.assertEqual(jsm.layout.gemm_tile_tokens(1, large), large)
+    with self.assertRaisesRegex(ValueError, "gemm_tile_tokens"):
+      jsm.layout.gemm_tile_tokens(16, 16)
 
   def test_E_not_multiple_of_R(self):
     w1q = jsm.QuantizedW1(self.w1q.values[:E - 3], self.w1q.scales[:E - 3])

@@ -111,9 +111,12 @@ class Stage1Test(parameterized.TestCase):
     results = call.split("->")[-1]
     if H % 512 == 0:
       self.assertIn(f"tensor<{cap}x{2 * H}xui8>", results)
-      self.assertIn(f"tensor<{cap // 128 + E}xui32>", results)
+      # one flag per row tile of the smaller tile
+      self.assertIn(f"tensor<{cap // min(jsm.layout.GEMM_TILE_TOKENS) + E}xui32>", results)
     else:
       self.assertIn("tensor<0xui8>", results)
+    # T*K/E = 4 rows per expert: the small tile (weight-bound), unless the config says otherwise
+    self.assertRegex(call, r"tile_tokens = 32 : i64")
 
   def test_engines_byte_identical(self):
     r = _util.rng()

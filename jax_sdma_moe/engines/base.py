@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, ClassVar, Tuple
 
 import jax
 
-from .. import primitives
+from .. import layout, primitives
 from ..types import Landed, QuantizedW1, SendBuffer, Stage1Output
 
 # Where Stage2 on GPUs (a CUDA gemm2, the GPU engines' combine) is tracked; the errors of the parts
@@ -17,8 +17,13 @@ if TYPE_CHECKING:  # pragma: no cover
   from ..runtime import Runtime
 
 
-def gemm1_options(config) -> primitives.Gemm1Options:
-  return primitives.Gemm1Options(swiglu_limit=config.swiglu_limit, out_dtype=config.out_dtype)
+def gemm1_options(config, send: SendBuffer, send_counts: jax.Array) -> primitives.Gemm1Options:
+  """The Stage1Config's gemm1 options for a dispatch of this send buffer: its rows (T*K) over the
+  local experts give the rows per expert that pick the CUDA GEMM's tile."""
+  tile = layout.gemm_tile_tokens(send.values.shape[0] / send_counts.shape[1],
+                                 config.gemm_tile_tokens)
+  return primitives.Gemm1Options(swiglu_limit=config.swiglu_limit, out_dtype=config.out_dtype,
+                                 tile_tokens=tile)
 
 
 class Engine:
@@ -57,7 +62,8 @@ class Engine:
     """dispatch then gemm1: (Landed, h). Engines that fuse the two override this."""
     landed = self.dispatch(send, send_counts, rank, cap=cap)
     h = primitives.gemm1(landed.values, landed.scales, landed.expert_offsets,
-                         landed.expert_counts, w1q, options=gemm1_options(self.config))
+                         landed.expert_counts, w1q,
+                         options=gemm1_options(self.config, send, send_counts))
     return landed, h
 
   def combine(self, rows: jax.Array, out1: Stage1Output, rank: jax.Array, *, num_tokens: int,

@@ -91,7 +91,8 @@ class WindowEngine(FfiDispatchEngine):
     return primitives.dispatch_gemm1(
         send, send_counts, rank, w1q, cap=cap,
         options=self.dispatch_options(send, send_counts, cap),
-        gemm1_options=gemm1_options(self.config), graph=self.graph_capturable)
+        gemm1_options=gemm1_options(self.config, send, send_counts),
+        graph=self.graph_capturable)
 
   # the window engines' combine is built for engine sm only (DESIGN.md §6): Engine.combine's
   # error for the others

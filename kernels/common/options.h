@@ -44,7 +44,8 @@ struct DispatchOptions {
 // Attribute `gemm1` of jsm_gemm1 and jsm_dispatch_gemm1(_graph).
 struct Gemm1Options {
   bool has_limit;
-  float swiglu_limit;  // used when has_limit
+  float swiglu_limit;   // used when has_limit
+  int64_t tile_tokens;  // the CUDA bf16 kernel's tile: 128 or 32 tokens (others ignore it)
 };
 
 }  // namespace jsm

@@ -18,10 +18,15 @@ constexpr int kMaxExperts = 1024;  // the tile scheduler's prefix lives in share
 // row of the wgmma kernel; measured 5-20% faster than 8 for the mma.sync kernel on an H200).
 constexpr int KB = 4;
 
-// The row tiles (kBf16TileTokens rows) of a call can number at most this: sum over experts of
-// ceil(count / 128) with the counts summing to at most m_cap. jax_sdma_moe/layout.py's
-// gemm1_workspace sizes the flags by the same rule.
-constexpr int64_t bf16_row_tiles_bound(int64_t m_cap, int EL) { return m_cap / 128 + EL; }
+// The bf16 kernel's tiles: kBf16TileTokens tokens, or kBf16SmallTileTokens where experts hold
+// few rows (Gemm1Options.tile_tokens; jax_sdma_moe/layout.py GEMM_TILE_TOKENS).
+constexpr int kBf16TileTokens = 128, kBf16SmallTileTokens = 32;
+// The row tiles of a call can number at most this, for either tile: sum over experts of
+// ceil(count / 32) with the counts summing to at most m_cap. jax_sdma_moe/layout.py's
+// bf16_gemm_workspace sizes the flags by the same rule.
+constexpr int64_t bf16_row_tiles_bound(int64_t m_cap, int EL) {
+  return m_cap / kBf16SmallTileTokens + EL;
+}
 
 struct Gemm1Args {
   const uint8_t* a;         // [m_cap, H] e4m3

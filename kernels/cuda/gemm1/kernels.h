@@ -22,19 +22,20 @@ void launch_sm90_tma_ws(const Gemm1Args& g, const CUtensorMap& map_a0, const CUt
                         const CUtensorMap& map_b, int grid, cudaStream_t stream);
 
 // sm90_mx_bf16_rs.cu: exact MX through bf16 wgmma, weights upcast in registers, tokens upcast once
-// per call into the workspace g.xb (H % 512 == 0, I % 64 == 0). Tiles of kBf16TileTokens tokens x
-// kBf16TileCols output columns. Its TMA maps (row-major byte matrices):
+// per call into the workspace g.xb (H % 512 == 0, I % 64 == 0). Tiles of tile_tokens tokens
+// (kBf16TileTokens, or kBf16SmallTileTokens where experts hold few rows) x kBf16TileCols output
+// columns. Its TMA maps (row-major byte matrices):
 struct Bf16RsMaps {
   CUtensorMap xb;        // the workspace's bf16 rows [m_cap, 2H bytes]: boxes kTmaXBoxRows x 128 B,
                          // 128-byte swizzle
   CUtensorMap w;         // w1 [EL * 2I, H]: boxes 64 x 64 B, 64-byte swizzle
   CUtensorMap w_scales;  // [EL * 2I, H / 32]: boxes 64 x 16 B
 };
-constexpr int kBf16TileTokens = 128, kBf16TileCols = 128, kTmaXBoxRows = 16;
+constexpr int kBf16TileCols = 128, kTmaXBoxRows = 16;
 // swiglu: GEMM1 (gate and up rows, SwiGLU); else GEMM2 (plain, g.I output columns; see
-// SchedulerFor in the .cu).
+// SchedulerFor in the .cu). tile_tokens: kBf16TileTokens or kBf16SmallTileTokens (args.h).
 void launch_sm90_mx_bf16_rs(const Gemm1Args& g, const Bf16RsMaps& maps, int grid,
-                            cudaStream_t stream, bool swiglu);
+                            cudaStream_t stream, bool swiglu, int tile_tokens);
 
 // generic_gemm2.cu: GEMM2 where the bf16 kernel does not apply: one block per landed row, its
 // dequantised row in shared memory (g.H floats), float32 dot products with each w2 row.

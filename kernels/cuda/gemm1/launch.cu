@@ -56,7 +56,10 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 // The bf16-route kernel (both GEMMs; swiglu: GEMM1) with its TMA maps over the workspace's rows
 // and the weights [weight_rows, H], after zeroing the row-tile flags.
 std::string launch_bf16_route(const Gemm1Args& g, int64_t weight_rows, int grid,
-                              cudaStream_t stream, bool swiglu) {
+                              cudaStream_t stream, bool swiglu, int64_t tile_tokens) {
+  if (tile_tokens != kBf16TileTokens && tile_tokens != kBf16SmallTileTokens)
+    return "jax_sdma_moe GEMM: tile_tokens must be " + std::to_string(kBf16TileTokens) + " or " +
+           std::to_string(kBf16SmallTileTokens) + ", got " + std::to_string(tile_tokens);
   if (g.xb_ready_count < bf16_row_tiles_bound(g.m_cap, g.EL))
     return "jax_sdma_moe GEMM: the workspace has too few row-tile flags";
   Bf16RsMaps maps;
@@ -65,7 +68,7 @@ std::string launch_bf16_route(const Gemm1Args& g, int64_t weight_rows, int grid,
   if (err.empty()) err = tensor_map(&maps.w_scales, g.w_scales, g.H / kBlock, weight_rows, 64, 16);
   if (!err.empty()) return err;
   cudaMemsetAsync(g.xb_ready, 0, size_t(g.xb_ready_count) * sizeof(uint32_t), stream);
-  launch_sm90_mx_bf16_rs(g, maps, grid, stream, swiglu);
+  launch_sm90_mx_bf16_rs(g, maps, grid, stream, swiglu, int(tile_tokens));
   return "";
 }
 
@@ -87,7 +90,8 @@ std::string launch_gemm1(Gemm1Args g, int grid, cudaStream_t stream, const Gemm1
   // TMA: 16-byte aligned bases and row strides (H / 32 a multiple of 16)
   if (g.H % 512 == 0 && g.I % 64 == 0 && g.xb != nullptr && aligned16(g.w_scales) &&
       aligned16(rows0) && aligned16(rows1)) {
-    err = launch_bf16_route(g, int64_t(g.EL) * 2 * g.I, grid, stream, /*swiglu=*/true);
+    err = launch_bf16_route(g, int64_t(g.EL) * 2 * g.I, grid, stream, /*swiglu=*/true,
+                            opt.tile_tokens);
     if (!err.empty()) return err;
   } else if (g.H % 128 == 0) {
     CUtensorMap map_a0, map_a1, map_b;
@@ -102,7 +106,7 @@ std::string launch_gemm1(Gemm1Args g, int grid, cudaStream_t stream, const Gemm1
   return last_error("gemm1");
 }
 
-std::string launch_gemm2(Gemm1Args g, int grid, cudaStream_t stream) {
+std::string launch_gemm2(Gemm1Args g, int grid, cudaStream_t stream, int64_t tile_tokens) {
   g.has_limit = false;
   gpu::launch_zero_padding_rows(g.offsets, g.counts, g.EL, g.m_cap, g.I * 2,
                                 reinterpret_cast<uint8_t*>(g.h_bf16), nullptr, 0, stream);
@@ -110,7 +114,7 @@ std::string launch_gemm2(Gemm1Args g, int grid, cudaStream_t stream) {
   if (!err.empty() || g.m_cap == 0) return err;
   if (g.H % 512 == 0 && g.I % 256 == 0 && g.xb != nullptr && aligned16(g.w_scales) &&
       aligned16(g.a)) {
-    err = launch_bf16_route(g, int64_t(g.EL) * g.I, grid, stream, /*swiglu=*/false);
+    err = launch_bf16_route(g, int64_t(g.EL) * g.I, grid, stream, /*swiglu=*/false, tile_tokens);
     if (!err.empty()) return err;
   } else {
     launch_generic_gemm2(g, stream);

@@ -17,8 +17,8 @@ namespace gemm1 {
 // h's padding rows, then runs the persistent GEMM on `grid` CTAs (one per SM it may use): the
 // bf16-route kernel where H % 512 == 0, I % 64 == 0 and the scale arrays are 16-byte aligned
 // (measured fastest, docs/PERF.md), else the fp8 wgmma kernel where H % 128 == 0, else the
-// mma.sync kernel (any H % 32 == 0).
-// Returns "" or an error message.
+// mma.sync kernel (any H % 32 == 0). The bf16-route kernel's tile is opt.tile_tokens tokens
+// (kBf16TileTokens or kBf16SmallTileTokens, args.h). Returns "" or an error message.
 std::string launch_gemm1(Gemm1Args g, int grid, cudaStream_t stream, const Gemm1Options& opt);
 
 // GEMM2 (Stage2) on the same machinery: g's fields as for GEMM1 with g.H the depth (the model's
@@ -26,8 +26,9 @@ std::string launch_gemm1(Gemm1Args g, int grid, cudaStream_t stream, const Gemm1
 // expert), g.a/g.a_scales the MX-fp8 rows of h, g.h_bf16 the output y2 [m_cap, g.I]. Zeroes the
 // padding rows, then runs the bf16-route kernel without SwiGLU where g.H % 512 == 0, g.I % 256
 // == 0 and the workspace is given, else a generic kernel (a correctness fallback for small
-// shapes: one row per block, float32 dot products). Returns "" or an error message.
-std::string launch_gemm2(Gemm1Args g, int grid, cudaStream_t stream);
+// shapes: one row per block, float32 dot products); tile_tokens as GEMM1's. Returns "" or an
+// error message.
+std::string launch_gemm2(Gemm1Args g, int grid, cudaStream_t stream, int64_t tile_tokens);
 
 }  // namespace gemm1
 }  // namespace cuda

@@ -78,6 +78,30 @@ __device__ __forceinline__ void wgmma_m64n128k16_bf16_rs(float* d, const uint32_
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
 
+// As above with 32 B rows: d (64 x 32 float32), d[4 j + 2 h + c] is row g + 8 h, B row 8 j + 2 tig
+// + c.
+__device__ __forceinline__ void wgmma_m64n32k16_bf16_rs(float* d, const uint32_t (&a)[4],
+                                                        uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+      "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
+// m64nNk16 bf16 with A from registers, N = 128 or 32.
+template <int N>
+__device__ __forceinline__ void wgmma_m64nk16_bf16_rs(float* d, const uint32_t (&a)[4],
+                                                      uint64_t desc_b) {
+  static_assert(N == 128 || N == 32, "the wgmma shapes wrapped here");
+  if constexpr (N == 128) wgmma_m64n128k16_bf16_rs(d, a, desc_b);
+  else wgmma_m64n32k16_bf16_rs(d, a, desc_b);
+}
+
 __device__ __forceinline__ void mbar_init(uint64_t* b, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(b)), "r"(count));
 }

@@ -35,11 +35,17 @@ namespace cuda {
 namespace gemm1 {
 namespace sm90_bf16 {
 
-constexpr int TOK = kBf16TileTokens;  // tokens per tile (wgmma N)
+// kTok: tokens per tile (wgmma N), a template parameter of the kernel: kBf16TileTokens, or
+// kBf16SmallTileTokens where experts hold few rows (weight streaming: a 128-token instruction on 16
+// rows spends 8x the tensor time the rows need, which at 16 rows per expert costs more than
+// reading the weights; a separate kernel, since two wgmma shapes in one kernel serialise them).
 constexpr int COLS = kBf16TileCols;   // output columns per tile: 64 per consumer warpgroup
 constexpr int WROWS = 2 * COLS;       // weight rows per tile
 constexpr int KS = 64;                // K per stage: two MX blocks, one 64-byte fp8 row
-constexpr int STAGES = 5;
+// Stages of the ring: 5 of the large tile's 32 KB; 8 of the small tile's 20 KB (bytes in flight
+// for weight streaming).
+template <int kTok>
+constexpr int kStages = kTok == kBf16TileTokens ? 5 : 8;
 // Weight scales come by TMA in super-stages of kScaleStages stages (16 scale bytes per row, the
 // smallest TMA box), two super-stages deep.
 constexpr int kScaleStages = 8, kScaleBytes = kScaleStages * KS / kBlock;
@@ -49,30 +55,37 @@ constexpr int kTransformThreads = 96;  // warps 1-3 of the producer warpgroup
 // per thread (transform_row_tiles).
 constexpr int kChunks = 4, kBatch = 4;
 constexpr int kEpiStride = 68;  // floats per staged token row: 8 * tig + g spreads a warp's stores
-static_assert(TOK == 128 && COLS == 128, "two 64-token halves; two consumer warpgroups");
+static_assert(COLS == 128, "two consumer warpgroups");
+static_assert(kBf16TileTokens == 128 && kBf16SmallTileTokens == 32, "the wgmma shapes below");
 
 // One stage of the ring, filled by TMA.
 // w: fp8 weight rows, 64-byte swizzle (16-byte chunk c of row r at c ^ ((r >> 1) & 3)); row r:
 //    consumer warpgroup r / 128, gate (r % 128 < 64) or up, output column n0 + 64 * (r / 128) + r % 64.
 // x: bf16 token rows (the workspace's K order, see upcast_block), 128-byte swizzle: the K-major
 //    layout of wgmma's B descriptor.
+template <int kTok>
 struct alignas(1024) Stage {
   uint8_t w[WROWS * KS];
-  uint8_t x[TOK * 2 * KS];
+  uint8_t x[kTok * 2 * KS];
 };
 // One super-stage's e8m0 scale bytes of the weight rows (as in Stage).
 struct alignas(128) ScaleStage {
   uint8_t w[WROWS][kScaleBytes];
 };
+template <int kTok>
 struct Shared {
-  Stage s[STAGES];
+  Stage<kTok> s[kStages<kTok>];
   ScaleStage scales[2];
   float epi[2][64 * kEpiStride];  // per consumer warpgroup: h of 64 tokens x 64 columns
-  uint64_t loaded[STAGES], empty[STAGES], scales_loaded[2], scales_empty[2];
+  uint64_t loaded[kStages<kTok>], empty[kStages<kTok>], scales_loaded[2], scales_empty[2];
 };
 // + the worst alignment pad: dynamic shared memory starts 16-byte aligned at least
-constexpr int kSmemBytes = int(sizeof(Shared)) + 1024 - 16;
-static_assert(kSmemBytes + int(sizeof(int32_t)) * (kMaxExperts + 1) <= 227 * 1024,
+template <int kTok>
+constexpr int kSmemBytes = int(sizeof(Shared<kTok>)) + 1024 - 16;
+static_assert(kSmemBytes<kBf16TileTokens> + int(sizeof(int32_t)) * (kMaxExperts + 1) <=
+                      227 * 1024 &&
+                  kSmemBytes<kBf16SmallTileTokens> + int(sizeof(int32_t)) * (kMaxExperts + 1) <=
+                      227 * 1024,
               "shared memory of one CTA (dynamic + the scheduler's static prefix)");
 
 // The two GEMMs of the layer on this kernel (kSwiglu): GEMM1, output columns = g.I, weight rows
@@ -81,8 +94,8 @@ static_assert(kSmemBytes + int(sizeof(int32_t)) * (kMaxExperts + 1) <= 227 * 102
 // A consumer warpgroup's output columns per tile: 64 (each with a gate and an up row) or 128.
 template <bool kSwiglu>
 constexpr int kWgCols = kSwiglu ? 64 : 128;
-template <bool kSwiglu>
-using SchedulerFor = TileSchedulerFor<TOK, 2 * kWgCols<kSwiglu>>;
+template <bool kSwiglu, int kTok>
+using SchedulerFor = TileSchedulerFor<kTok, 2 * kWgCols<kSwiglu>>;
 
 // The first w1/w2 row of TMA box i (64 rows; box i lands at Stage::w row 64 i: consumer warpgroup
 // i / 2, part i % 2 — gate/up, or its first/second 64 columns) of tile t.
@@ -150,13 +163,14 @@ __device__ __forceinline__ Tile row_tile(const Gemm1Args& g, const Scheduler& sc
 // The loader warp: stage after stage, once its slot is free, the TMA loads of weights and bf16
 // token rows; every kScaleStages stages, once a scale slot is free, the weights' scales of the
 // next ones. Lane 0 issues, after a tile's row tile is flagged upcast (bounded wait).
-template <bool kSwiglu>
-__device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared& sh,
-                                            const SchedulerFor<kSwiglu>& sched,
+template <bool kSwiglu, int kTok>
+__device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared<kTok>& sh,
+                                            const SchedulerFor<kSwiglu, kTok>& sched,
                                             const CUtensorMap* map_xb, const CUtensorMap* map_w,
                                             const CUtensorMap* map_ws, int lane) {
   const int total = sched.total(g), num_k = int(g.H / KS);
-  const int n_tiles = SchedulerFor<kSwiglu>::n_tiles(g);
+  constexpr int STAGES = kStages<kTok>;
+  const int n_tiles = SchedulerFor<kSwiglu, kTok>::n_tiles(g);
   uint32_t issued = 0;
   for (int w = blockIdx.x; w < total; w += gridDim.x) {
     const Tile t = sched.tile(g, w);
@@ -177,7 +191,7 @@ __device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared& sh,
     // the second warpgroup's columns exist?
     const int w_boxes = t.n0 + kWgCols<kSwiglu> < g.I ? 4 : 2;
     for (int ks = 0; ks < num_k; ++ks, ++issued) {
-      Stage& S = sh.s[issued % STAGES];
+      Stage<kTok>& S = sh.s[issued % STAGES];
       uint64_t* bar = &sh.loaded[issued % STAGES];
       if (ks % kScaleStages == 0) {  // num_k is a multiple of kScaleStages (launch: H % 512 == 0)
         const uint32_t u = issued / kScaleStages;
@@ -332,12 +346,12 @@ __device__ __forceinline__ void load_frags(Frags& f, uint32_t w_base, const Scal
   else upcast_frags<false>(f, w_base, e, cw, row_g, tig, blk);
 }
 
-// Block blk of one stage: for each k16 step, gate and up rows times all 128 tokens of the tile
-// (one m64n128 each), whatever its rows: one code path. Variants for small tiles (N = 16, 32, 64)
-// made ptxas serialise every wgmma of the kernel (C7511/C7512: registers); at 16 rows per expert
-// that costs tensor time the tile does not need (docs/PERF.md §3).
-__device__ __forceinline__ void issue_block(float (&gate)[64], float (&up)[64], Frags& f,
-                                            uint32_t b_base, int blk) {
+// Block blk of one stage: for each k16 step, gate and up rows times all kTok tokens of the tile
+// (one m64nkTok each), whatever its rows: one code path per kernel (two shapes in one kernel made
+// ptxas serialise every wgmma, C7511/C7512: registers).
+template <int kTok>
+__device__ __forceinline__ void issue_block(float (&gate)[kTok / 2], float (&up)[kTok / 2],
+                                            Frags& f, uint32_t b_base, int blk) {
   const uint32_t k0 = b_base + blk * 64;
   fence_frags(f);
   fence_acc(gate);
@@ -346,8 +360,8 @@ __device__ __forceinline__ void issue_block(float (&gate)[64], float (&up)[64], 
 #pragma unroll
   for (int s = 0; s < 2; ++s) {
     const uint64_t desc = smem_desc_addr(k0 + s * 32);
-    wgmma_m64n128k16_bf16_rs(gate, f.r[0][s], desc);
-    wgmma_m64n128k16_bf16_rs(up, f.r[1][s], desc);
+    wgmma_m64nk16_bf16_rs<kTok>(gate, f.r[0][s], desc);
+    wgmma_m64nk16_bf16_rs<kTok>(up, f.r[1][s], desc);
   }
   wgmma_commit();
   fence_acc(gate);
@@ -401,15 +415,16 @@ __device__ __forceinline__ void store_h_block(const Gemm1Args& g, int64_t row, i
 // 64 columns of the output, col0 .., x the tile's tokens from the warpgroup's fragments
 // (value(i): fragment index i's float), staged through shared memory (so each thread stores 32
 // consecutive columns of one token: one MX block), 64 tokens at a time.
-template <class Value>
+template <int kTok, class Value>
 __device__ __forceinline__ void store_columns(const Gemm1Args& g, const Tile& t, float* epi,
                                               Value value, int64_t col0, int cw, int tid,
                                               int row_g, int tig) {
+  constexpr int kPass = kTok < 64 ? kTok : 64;  // tokens per pass through the staging
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    if (half == 1 && t.rows <= 64) break;
+  for (int half = 0; half < kTok / kPass; ++half) {
+    if (half > 0 && t.rows <= half * kPass) break;
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < kPass / 8; ++j)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -419,31 +434,34 @@ __device__ __forceinline__ void store_columns(const Gemm1Args& g, const Tile& t,
         }
     consumer_barrier(cw);
     const int tok = tid % 64, blk = tid / 64;
-    if (half * 64 + tok < t.rows) {
+    if (tok < kPass && half * kPass + tok < t.rows) {
       float v[32];
 #pragma unroll
       for (int q = 0; q < 8; ++q) {
         const float4 x = *reinterpret_cast<const float4*>(epi + tok * kEpiStride + blk * 32 + 4 * q);
         v[4 * q] = x.x, v[4 * q + 1] = x.y, v[4 * q + 2] = x.z, v[4 * q + 3] = x.w;
       }
-      store_h_block(g, t.row0 + half * 64 + tok, col0 + blk * 32, v);
+      store_h_block(g, t.row0 + half * kPass + tok, col0 + blk * 32, v);
     }
     consumer_barrier(cw);  // the staging is free again
   }
 }
 
 // The warpgroup's output: GEMM1, SwiGLU of its 64 gate/up column pairs; GEMM2, its 128 columns.
-template <bool kSwiglu>
+template <bool kSwiglu, int kTok>
 __device__ __forceinline__ void epilogue(const Gemm1Args& g, const Tile& t, float* epi,
-                                         const float (&acc0)[64], const float (&acc1)[64], int cw,
-                                         int tid, int row_g, int tig) {
+                                         const float (&acc0)[kTok / 2],
+                                         const float (&acc1)[kTok / 2], int cw, int tid,
+                                         int row_g, int tig) {
   const int64_t col0 = t.n0 + cw * kWgCols<kSwiglu>;
   if (kSwiglu) {
-    store_columns(g, t, epi, [&](int i) { return swiglu(acc0[i], acc1[i], g.has_limit, g.limit); },
-                  col0, cw, tid, row_g, tig);
+    store_columns<kTok>(
+        g, t, epi, [&](int i) { return swiglu(acc0[i], acc1[i], g.has_limit, g.limit); }, col0,
+        cw, tid, row_g, tig);
   } else {
-    store_columns(g, t, epi, [&](int i) { return acc0[i]; }, col0, cw, tid, row_g, tig);
-    store_columns(g, t, epi, [&](int i) { return acc1[i]; }, col0 + 64, cw, tid, row_g, tig);
+    store_columns<kTok>(g, t, epi, [&](int i) { return acc0[i]; }, col0, cw, tid, row_g, tig);
+    store_columns<kTok>(g, t, epi, [&](int i) { return acc1[i]; }, col0 + 64, cw, tid, row_g,
+                        tig);
   }
 }
 
@@ -452,16 +470,17 @@ __device__ __forceinline__ void epilogue(const Gemm1Args& g, const Tile& t, floa
 // 1's while block 0 computes; a stage is freed once both its blocks have retired (wgmma reads its
 // token rows), a scale super-stage once its last fragments are in registers.
 // gate, up: [32 * half + the fragment index] for tokens 64 * half ..; f0, f1: the caller's.
-template <bool kSwiglu>
-__device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared& sh, const Tile& t,
+template <bool kSwiglu, int kTok>
+__device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared<kTok>& sh, const Tile& t,
                                              int num_k, uint32_t& consumed, int cw, int tid,
-                                             float (&gate)[64], float (&up)[64], Frags& f0,
-                                             Frags& f1) {
+                                             float (&gate)[kTok / 2], float (&up)[kTok / 2],
+                                             Frags& f0, Frags& f1) {
+  constexpr int STAGES = kStages<kTok>;
   const int warp = tid / 32, lane = tid % 32;
   const int row_g = warp * 16 + lane / 4, tig = lane % 4;
   const bool active = t.n0 + cw * kWgCols<kSwiglu> < g.I;
 #pragma unroll
-  for (int i = 0; i < 64; ++i) gate[i] = up[i] = 0.0f;
+  for (int i = 0; i < kTok / 2; ++i) gate[i] = up[i] = 0.0f;
   // per warp: every lane is done with it
   auto release = [&](uint64_t* bar) {
     __syncwarp();
@@ -479,12 +498,12 @@ __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared& sh, con
       wgmma_wait<1>();  // block 0 of the previous stage has retired: f0 is free
       fence_frags(f0);
       load_frags(f0, w_base, sc, sk, cw, row_g, tig, 0);
-      issue_block(gate, up, f0, b_base, 0);
+      issue_block<kTok>(gate, up, f0, b_base, 0);
       wgmma_wait<1>();  // the previous stage has retired: f1 and its stage are free
       fence_frags(f1);
       if (ks > 0) release(&sh.empty[(consumed - 1) % STAGES]);
       load_frags(f1, w_base, sc, sk, cw, row_g, tig, 1);
-      issue_block(gate, up, f1, b_base, 1);
+      issue_block<kTok>(gate, up, f1, b_base, 1);
     } else if (ks > 0) {
       release(&sh.empty[(consumed - 1) % STAGES]);
     }
@@ -496,18 +515,20 @@ __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared& sh, con
   fence_acc(gate);
   fence_acc(up);
   release(&sh.empty[(consumed - 1) % STAGES]);
-  if (active) epilogue<kSwiglu>(g, t, sh.epi[cw], gate, up, cw, tid, row_g, tig);
+  if (active) epilogue<kSwiglu, kTok>(g, t, sh.epi[cw], gate, up, cw, tid, row_g, tig);
 }
 
 // The kernel body of both GEMMs (kSwiglu: see SchedulerFor). maps: see Bf16RsMaps (kernels.h).
-template <bool kSwiglu>
+template <bool kSwiglu, int kTok>
 __device__ __forceinline__ void gemm_body(const Gemm1Args& g_in, const Bf16RsMaps& maps) {
-  using Scheduler = SchedulerFor<kSwiglu>;
+  using Scheduler = SchedulerFor<kSwiglu, kTok>;
+  constexpr int STAGES = kStages<kTok>;
   const Gemm1Args g = resolve_slot(g_in);
   extern __shared__ uint8_t smem_raw[];
   // 1024-aligned (the swizzle patterns), as an offset from smem_raw so that the compiler keeps
   // shared-memory instructions
-  Shared& sh = *reinterpret_cast<Shared*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
+  Shared<kTok>& sh = *reinterpret_cast<Shared<kTok>*>(
+      smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
   __shared__ Scheduler sched;
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -525,7 +546,8 @@ __device__ __forceinline__ void gemm_body(const Gemm1Args& g_in, const Bf16RsMap
 
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 88;");
-    if (tid < kWarp) load_stages<kSwiglu>(g, sh, sched, &maps.xb, &maps.w, &maps.w_scales, tid);
+    if (tid < kWarp)
+      load_stages<kSwiglu, kTok>(g, sh, sched, &maps.xb, &maps.w, &maps.w_scales, tid);
     else transform_row_tiles(g, sched, tid - kWarp);
     return;
   }
@@ -533,31 +555,41 @@ __device__ __forceinline__ void gemm_body(const Gemm1Args& g_in, const Bf16RsMap
   asm volatile("setmaxnreg.inc.sync.aligned.u32 208;");
   const int cw = wg - 1, total = sched.total(g), num_k = int(g.H / KS);
   uint32_t consumed = 0;
-  float gate[64], up[64];  // GEMM2: the warpgroup's first and second 64 columns
+  float gate[kTok / 2], up[kTok / 2];  // GEMM2: the warpgroup's first and second 64 columns
   Frags f0 = {}, f1 = {};
   for (int w = blockIdx.x; w < total; w += gridDim.x) {
     const Tile t = sched.tile(g, w);
-    consume_tile<kSwiglu>(g, sh, t, num_k, consumed, cw, tid, gate, up, f0, f1);
+    consume_tile<kSwiglu, kTok>(g, sh, t, num_k, consumed, cw, tid, gate, up, f0, f1);
   }
 }
 
+// One kernel per GEMM (kSwiglu) and tile width (kTok).
+template <bool kSwiglu, int kTok>
 __global__ void __launch_bounds__(THREADS, 1)
-    gemm1_sm90_mx_bf16_rs(const Gemm1Args g, const __grid_constant__ Bf16RsMaps maps) {
-  gemm_body<true>(g, maps);
+    gemm_sm90_mx_bf16_rs(const Gemm1Args g, const __grid_constant__ Bf16RsMaps maps) {
+  gemm_body<kSwiglu, kTok>(g, maps);
 }
 
-__global__ void __launch_bounds__(THREADS, 1)
-    gemm2_sm90_mx_bf16_rs(const Gemm1Args g, const __grid_constant__ Bf16RsMaps maps) {
-  gemm_body<false>(g, maps);
+template <bool kSwiglu, int kTok>
+void launch(const Gemm1Args& g, const Bf16RsMaps& maps, int grid, cudaStream_t stream) {
+  auto kernel = gemm_sm90_mx_bf16_rs<kSwiglu, kTok>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<kTok>);
+  kernel<<<grid, THREADS, kSmemBytes<kTok>, stream>>>(g, maps);
 }
 
 }  // namespace sm90_bf16
 
 void launch_sm90_mx_bf16_rs(const Gemm1Args& g, const Bf16RsMaps& maps, int grid,
-                            cudaStream_t stream, bool swiglu) {
-  auto kernel = swiglu ? sm90_bf16::gemm1_sm90_mx_bf16_rs : sm90_bf16::gemm2_sm90_mx_bf16_rs;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sm90_bf16::kSmemBytes);
-  kernel<<<grid, sm90_bf16::THREADS, sm90_bf16::kSmemBytes, stream>>>(g, maps);
+                            cudaStream_t stream, bool swiglu, int tile_tokens) {
+  using namespace sm90_bf16;
+  const bool small = tile_tokens == kBf16SmallTileTokens;
+  if (swiglu) {
+    if (small) launch<true, kBf16SmallTileTokens>(g, maps, grid, stream);
+    else launch<true, kBf16TileTokens>(g, maps, grid, stream);
+  } else {
+    if (small) launch<false, kBf16SmallTileTokens>(g, maps, grid, stream);
+    else launch<false, kBf16TileTokens>(g, maps, grid, stream);
+  }
 }
 
 }  // namespace gemm1
