@@ -132,15 +132,15 @@ ffi::Error Gemm2Impl(cudaStream_t stream, ffi::AnyBuffer h, S32Vec expert_offset
 }
 
 // Stage2's combine: engine local (and engine xla's sum after its exchange) within the rank, the
-// CPU backend's arithmetic and bytes (kernels/cuda/stage2/combine_local.h); engine sm through the
-// Runtime's windows (kernels/cuda/ep/combine.cu), the same sum. rets: the (token, slot) index
-// workspace [T * K] int32 (engine local's).
+// CPU backend's arithmetic and bytes (kernels/cuda/stage2/combine_local.h); engines sm and ce
+// through the Runtime's windows (kernels/cuda/ep/combine.cu), the same sum. rets: the (token,
+// slot) index workspace [T * K] int32 (engines local and ce).
 ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer rows, S32Vec src_rank, S32Vec token,
                        S32Vec slot, F32Vec weight, S32Scalar rank, ffi::Result<ffi::AnyBuffer> y,
                        ffi::RemainingRets rets, jsm::DispatchOptions opt, int64_t topk) {
-  if (opt.engine != EngineId::kLocal && opt.engine != EngineId::kSm)
-    return jsm::handler::wrong_engine("combine (CUDA)", opt.engine,
-                                      "engines local and sm (engine ce has no combine yet)");
+  if (opt.engine != EngineId::kLocal && opt.engine != EngineId::kSm &&
+      opt.engine != EngineId::kCe)
+    return jsm::handler::wrong_engine("combine (CUDA)", opt.engine, "engines local, sm and ce");
   JSM_RETURN_IF_ERROR(check_dtype(rows, ffi::DataType::BF16, "combine rows"));
   JSM_RETURN_IF_ERROR(check_dtype(*y, ffi::DataType::BF16, "combine output"));
   const auto yd = y->dimensions();  // [T, H]
@@ -154,13 +154,15 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer rows, S32Vec src_rank
                             topk,
                             yd[1],
                             static_cast<uint16_t*>(y->untyped_data())};
-  if (opt.engine == EngineId::kSm) return engine_error(jsm::ep::combine(stream, in, opt));
   auto row_of = rets.get<ffi::AnyBuffer>(0);
   if (rets.size() != 1 || !row_of.has_value())
     return ffi::Error::InvalidArgument("jax_sdma_moe combine (CUDA): expected 1 workspace result");
   if ((*row_of)->size_bytes() != size_t(yd[0] * topk) * sizeof(int32_t))
     return ffi::Error::InvalidArgument("jax_sdma_moe combine (CUDA): workspace of the wrong size");
-  const jsm::cuda::CombineLocalArgs a{in, static_cast<int32_t*>((*row_of)->untyped_data())};
+  int32_t* index = static_cast<int32_t*>((*row_of)->untyped_data());
+  if (opt.engine != EngineId::kLocal)
+    return engine_error(jsm::ep::combine(stream, in, index, opt));
+  const jsm::cuda::CombineLocalArgs a{in, index};
   return launch_error(jsm::cuda::launch_combine_local(a, stream));
 }
 

@@ -129,8 +129,8 @@ def stage1(x: Union[jax.Array, MXFP8], topk, w1q: QuantizedW1, *, runtime: Runti
   I = w1q.values.shape[1] // 2
   workspace = (layout.workspace_bytes(layout.gemm1_workspace(cap, H, I, EL))
                if runtime.platform == "cuda" else 0)  # (the CUDA gemm1's, DESIGN §5)
-  # engine sm's windows also hold its combine's two return slots (DESIGN §6)
-  returns = 2 * T * K * (2 * H + 8) if runtime.engine.name == "sm" else 0
+  # engines sm's and ce's windows also hold their combine's two return slots (DESIGN §6)
+  returns = 2 * T * K * (2 * H + 8) + 8 * cap if runtime.engine.name in ("sm", "ce") else 0
   runtime.check_memory(f"T = {T} tokens of H = {H} with M_cap = {cap} landing rows",
                        call_bytes(R, T, H, I, K, cap, cfg.out_dtype) + workspace + returns)
   ids = ids.astype(jnp.int32)

@@ -2,8 +2,9 @@
 test_multigpu.py, JAX using one GPU each: python mp_gpu_worker.py PROCESS_ID NUM_PROCESSES PORT
 SEED. Each process holds one rank; engines ce and sm must land the same bytes on it, equal to the
 reference layout with h of sampled experts within §3, and 20 back-to-back calls per engine stay
-correct; jsm.moe with engine sm (its combine through the IPC-opened windows) matches the
-reference on this rank's tokens in back-to-back calls; engine xla is refused with a clear error.
+correct; jsm.moe with engines sm and ce (their combines through the IPC-opened windows) matches
+the reference on this rank's tokens in back-to-back calls, byte for byte between the engines;
+engine xla is refused with a clear error.
 Prints 'OK rank N' on success."""
 import os
 import sys
@@ -96,25 +97,31 @@ def run(shape_name, T, r, iters=1):
 
 
 def run_moe(T, r, iters=4):
-  """jsm.moe with engine sm on the mid-size layer: y of this rank's tokens against reference.moe
-  (computed here from the same seeded problem in every process), calls back to back."""
+  """jsm.moe with engines sm and ce on the mid-size layer: y of this rank's tokens against
+  reference.moe (computed here from the same seeded problem in every process), the engines' y
+  byte for byte, calls back to back."""
   H, I, E, K = _util.MID_LAYER
-  cfg = jsm.Stage1Config(engine="sm")
-  with jsm.Runtime(mesh, "ep", cfg) as rt:
-    f = jax.jit(jax.shard_map(lambda x, i, w, q1, q2: jsm.moe(x, (i, w), q1, q2, runtime=rt),
-                              mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
-    for it in range(iters):
-      routing = ("masked", "uniform")[it % 2]
-      with jax.default_device(local):  # the same problem in every process (one seed)
-        x, ids, w, w1q = _util.make_problem(r, R, T, H, I, E, K, routing)
-        w2q = _util.make_w2q(r, E, H, I)
-        ref = _util.reference_y(x, ids, w, w1q, w2q, R, cfg, T)
-      args = [global_array(np.asarray(a)) for a in (x, ids, w)]
-      weights = [jax.tree.map(lambda a: global_array(np.asarray(a)), q) for q in (w1q, w2q)]
-      y = np.asarray(f(*args, *weights).addressable_shards[0].data)  # [T, H] of this rank
-      _util.check_y(_util.Asserts(), y, ref[pid:pid + 1], np.asarray(ids)[pid * T:(pid + 1) * T],
-                    E)
+  runtimes = {e: jsm.Runtime(mesh, "ep", jsm.Stage1Config(engine=e)) for e in ("sm", "ce")}
+  fns = {e: jax.jit(jax.shard_map(
+      lambda x, i, w, q1, q2, rt=rt: jsm.moe(x, (i, w), q1, q2, runtime=rt),
+      mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))) for e, rt in runtimes.items()}
+  for it in range(iters):
+    routing = ("masked", "uniform")[it % 2]
+    with jax.default_device(local):  # the same problem in every process (one seed)
+      x, ids, w, w1q = _util.make_problem(r, R, T, H, I, E, K, routing)
+      w2q = _util.make_w2q(r, E, H, I)
+      ref = _util.reference_y(x, ids, w, w1q, w2q, R, runtimes["sm"].config, T)
+    args = [global_array(np.asarray(a)) for a in (x, ids, w)]
+    weights = [jax.tree.map(lambda a: global_array(np.asarray(a)), q) for q in (w1q, w2q)]
+    ys = {e: np.asarray(f(*args, *weights).addressable_shards[0].data)  # [T, H] of this rank
+          for e, f in fns.items()}
+    np.testing.assert_array_equal(_util.as_bytes(ys["ce"]), _util.as_bytes(ys["sm"]),
+                                  err_msg=f"moe T={T} {routing}: y of ce vs sm")
+    _util.check_y(_util.Asserts(), ys["sm"], ref[pid:pid + 1],
+                  np.asarray(ids)[pid * T:(pid + 1) * T], E)
+  for rt in runtimes.values():
     rt.check()
+    rt.close()
 
 
 try:

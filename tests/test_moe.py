@@ -254,21 +254,18 @@ class Stage2ErrorsTest(parameterized.TestCase):
           runtime=self.rt))
 
   def test_gpu_engines_combine(self):
-    """Engine ce lowers for CUDA, but its combine is not built: NotImplementedError at trace
-    time, naming the issue. Engines sm and xla have one: with a build that has the CUDA kernels
-    the layer traces and lowers for CUDA; without one, the error names what is missing."""
-    with jsm.Runtime(self.mesh, "ep", jsm.Stage1Config(engine="ce"),
-                     lowering_platform="cuda") as rt:
-      with self.assertRaisesRegex(NotImplementedError, r"engine 'ce' has no combine yet.*issue 16"):
-        self.trace_moe(rt=rt)
+    """Engines sm, ce and xla have a combine on CUDA: with a build that has the CUDA kernels the
+    layer traces (and, engine xla, lowers) for CUDA; without one, the error names what is
+    missing."""
     built = {"gemm2", "combine"} <= jsm.primitives.built_stages("cuda")
-    with jsm.Runtime(self.mesh, "ep", jsm.Stage1Config(engine="sm"),
-                     lowering_platform="cuda") as rt:
-      if built:
-        self.assertEqual(self.trace_moe(rt=rt).shape, (R * self.T, self.H))
-      else:
-        with self.assertRaisesRegex(NotImplementedError, "no cuda kernels for combine"):
-          self.trace_moe(rt=rt)
+    for engine in ("sm", "ce"):
+      with self.subTest(engine), jsm.Runtime(self.mesh, "ep", jsm.Stage1Config(engine=engine),
+                                             lowering_platform="cuda") as rt:
+        if built:
+          self.assertEqual(self.trace_moe(rt=rt).shape, (R * self.T, self.H))
+        else:
+          with self.assertRaisesRegex(NotImplementedError, "no cuda kernels for combine"):
+            self.trace_moe(rt=rt)
     with jsm.Runtime(self.mesh, "ep", jsm.Stage1Config(engine="xla"),
                      lowering_platform="cuda") as rt:
       if built:

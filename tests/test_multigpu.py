@@ -278,18 +278,19 @@ if __name__ == "__main__":
 @absltest.skipIf(not ENOUGH, WHY or "")
 class MultiGpuMoeTest(parameterized.TestCase):
   """jsm.moe across the GPUs: engines xla (its all_to_all back, then the CUDA combine within each
-  rank) and sm (its combine through the windows) against reference.moe and byte for byte against
-  each other; engine ce has no combine yet (a trace-time error)."""
+  rank), sm and ce (their combines through the windows) against reference.moe and byte for byte
+  against each other."""
 
   @parameterized.named_parameters(
       ("uniform", "uniform", 256), ("skewed", "skewed", 256), ("masked", "masked", 64),
       ("T1", "uniform", 1))
   def test_moe_engines(self, routing, T):
-    _util.run_moe_on(self, gpu_mesh(), ("xla", "sm"), T, *_util.MID_LAYER, routing)
+    _util.run_moe_on(self, gpu_mesh(), ("xla", "sm", "ce"), T, *_util.MID_LAYER, routing)
 
-  def test_moe_sm_back_to_back(self):
-    """Repeated moe calls with engine sm (the return slots' parities and stamps): every y equal
-    to the first; a slot left from an earlier epoch is never summed (masked routing)."""
+  @parameterized.parameters("sm", "ce")
+  def test_moe_back_to_back(self, engine):
+    """Repeated moe calls (the return slots' parities and stamps): every y equal to the first; a
+    slot left from an earlier epoch is never summed (masked routing)."""
     r = _util.rng()
     m = gpu_mesh()
     R = m.devices.size
@@ -297,7 +298,7 @@ class MultiGpuMoeTest(parameterized.TestCase):
     x, ids, w, w1q = _util.make_problem(r, R, 64, H, I, E, K, "masked")
     x2, ids2, w2, _ = _util.make_problem(r, R, 64, H, I, E, K, "uniform")
     w2q = _util.make_w2q(r, E, H, I)
-    with jsm.Runtime(m, "ep", jsm.Stage1Config(engine="sm")) as rt:
+    with jsm.Runtime(m, "ep", jsm.Stage1Config(engine=engine)) as rt:
       fn = _util.moe_fn(m, rt)
       args = _util.shard(m, (x, ids, w)) + _util.shard(m, (w1q, w2q))
       args2 = _util.shard(m, (x2, ids2, w2)) + _util.shard(m, (w1q, w2q))
@@ -305,9 +306,5 @@ class MultiGpuMoeTest(parameterized.TestCase):
       for i in range(5):  # masked after uniform: stale rows of every slot in the other parity
         fn(*args2)
         np.testing.assert_array_equal(_util.as_bytes(fn(*args)), first, f"call {i}")
-    ref = _util.reference_y(x, ids, w, w1q, w2q, R, jsm.Stage1Config(engine="sm"), 64)
+    ref = _util.reference_y(x, ids, w, w1q, w2q, R, jsm.Stage1Config(engine=engine), 64)
     _util.check_y(self, first.view(jnp.bfloat16), ref, ids, E)
-
-  def test_moe_ce_engine_not_built(self):
-    with self.assertRaisesRegex(NotImplementedError, "combine"):
-      _util.run_moe_on(self, gpu_mesh(), "ce", 16, *_util.MID_LAYER)

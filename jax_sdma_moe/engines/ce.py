@@ -1,8 +1,11 @@
 """Engine `ce` (CUDA): the rows cross to the peers on the copy engines — batched peer copies into
 the peers' windows, each chunk of experts followed in stream order by its signals — while a
-kernel stores the rank's own rows; one host synchronisation per call for the plan."""
+kernel stores the rank's own rows; one host synchronisation per call for the plan. Its combine
+copies each (expert, source) run of GEMM2 rows back whole, with no host wait (the plan is on the
+host since the dispatch)."""
 from __future__ import annotations
 
+from .base import FfiDispatchEngine
 from .cuda_windows import CudaWindowEngine
 
 
@@ -10,6 +13,9 @@ class CeEngine(CudaWindowEngine):
   name = "ce"
   # the host waits for the plan and enqueues the copies in every call: no CUDA graph
   graph_capturable = False
+  # each (expert, source) run of rows back to the source's send positions by the copy engines,
+  # from the plan of the rank's latest dispatch (kernels/cuda/ep/combine.cu)
+  combine = FfiDispatchEngine.combine
 
   _HOST_KEYS = ("calls", "plan_us", "plan_stream_us", "enqueue_us", "copies", "single_copies")
 

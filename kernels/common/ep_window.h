@@ -18,13 +18,19 @@
 // plan, which each peer sends after it has read out its epoch n slot (stream order).
 // Flags are compared as (int32_t)(flag - n) >= 0, so epochs may wrap.
 //
-// The way back (Stage2's combine; CUDA engine sm), in a window made with the return regions, has
-// its own epochs m (ret_epoch_counter, one per combine call) on parity q = m & 1:
-//   1. every rank stores each landed row's GEMM2 output at (token * K + slot) of its source's
-//      ret_rows[q], with ret_meta[q] {m, the row's top-k weight}, then (after a system fence, once
-//      all its rows are stored) writes ret_flag[q][r] = m at every rank (its own included);
+// The way back (Stage2's combine; CUDA engines sm and ce), in a window made with the return
+// regions, has its own epochs m (ret_epoch_counter, one per combine call) on parity q = m & 1:
+//   1. every rank puts each landed row's GEMM2 output into its source's ret_rows[q], with
+//      ret_meta[q] {m, the row's top-k weight}, then (once all its rows are there: a system fence,
+//      or stream order) writes ret_flag[q][r] = m at every rank (its own included). Engine sm
+//      stores each row at its (token * K + slot); engine ce copies each (expert, source) run of
+//      rows whole to the source's send positions of those rows (contiguous on both sides; the
+//      host knows them from the dispatch's plan), their stamps staged in ret_out_meta first;
 //   2. every rank waits until ret_flag[q][d] has reached m for all d (bounded), then sums, per
-//      token, the slots whose ret_meta stamp is m (slots with no row keep an older stamp).
+//      token, the slots whose ret_meta stamp is m (slots with no row keep an older stamp); engine
+//      ce finds a send position's (token, slot) in its own send_headers (its latest dispatch's).
+// Engine ce's combine thus belongs to the rank's latest dispatch through the window set (its plan
+// and send headers): stage2 runs on the latest stage1's output, as jsm.moe does.
 // Two parities suffice for the same reason as the dispatch's: a rank stores epoch m + 2 only
 // after every peer's epoch m + 1 flag, which each peer raises after it has summed epoch m.
 #pragma once
@@ -59,15 +65,17 @@ struct EpWindowLayout {
   int64_t epoch_counter;                     // uint32: this rank's calls so far (device-side, so a
                                              // captured CUDA graph replays correctly)
   // the return regions (0 where the window has none): slot q [send_rows, H] bf16 rows, indexed
-  // token * K + slot, and their [send_rows] ReturnMeta; ret_flag[q] [R] uint32; the combine's
-  // own call count (uint32)
-  int64_t ret_rows[2], ret_meta[2], ret_flag[2], ret_epoch_counter;
+  // token * K + slot (sm) or by send position (ce), and their [send_rows] ReturnMeta; ret_flag[q]
+  // [R] uint32; the combine's own call count (uint32); ret_out_meta [m_cap] ReturnMeta, the
+  // stamps of this rank's outgoing rows (ce)
+  int64_t ret_rows[2], ret_meta[2], ret_flag[2], ret_epoch_counter, ret_out_meta;
   int64_t bytes;
 };
 
 JSM_HD int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
-// with_return: also the return regions of the combine (2 * send_rows * (2 H + 8) bytes more).
+// with_return: also the return regions of the combine (2 * send_rows * (2 H + 8) + 8 m_cap bytes
+// more).
 JSM_HD EpWindowLayout ep_window_layout(const DispatchGeometry& g, bool with_return = false) {
   EpWindowLayout w{};
   int64_t off = 0;
@@ -93,6 +101,7 @@ JSM_HD EpWindowLayout ep_window_layout(const DispatchGeometry& g, bool with_retu
       w.ret_flag[q] = take(g.R * 4);
     }
     w.ret_epoch_counter = take(4);
+    w.ret_out_meta = take(g.m_cap * int64_t(sizeof(ReturnMeta)));
   }
   w.bytes = off;
   return w;

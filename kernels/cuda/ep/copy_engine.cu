@@ -201,5 +201,32 @@ std::string ce_peer_rows(cudaStream_t stream, const WindowSet& w, LocalRank& me,
   return "";
 }
 
+std::string ce_return_rows(cudaStream_t st, const WindowSet& w, LocalRank& me,
+                           const CombineView& in, uint32_t epoch, const DispatchOptions& opt) {
+  const int64_t R = w.g.R, EL = w.g.EL, H = w.g.H;
+  const int q = int(epoch & 1), rank = me.rank;
+  const EpWindowLayout& L = w.L;
+  const ReturnMeta* stamps = at<ReturnMeta>(me.own, L.ret_out_meta);
+  CopyBatch batch;
+  for (int64_t j = 1; j <= R; ++j) {  // peers first, this rank's own runs last
+    const int64_t s = (rank + j) % R;
+    uint8_t* dst = me.peers.base[s];
+    // where source s's segments landed here: base (landed row), keep, from (its send position)
+    const std::vector<SegmentPut> puts = segment_puts(me.h_plan, R, EL, s, opt.row_align,
+                                                      w.g.m_cap);
+    for (int64_t e = 0; e < EL; ++e) {
+      const SegmentPut& p = puts[size_t(rank * EL + e)];
+      batch.add(at<uint16_t>(dst, L.ret_rows[q]) + p.from * H, in.rows + p.base * H,
+                size_t(p.keep * H) * 2);
+      batch.add(at<ReturnMeta>(dst, L.ret_meta[q]) + p.from, stamps + p.base,
+                size_t(p.keep) * sizeof(ReturnMeta));
+    }
+    std::string err = put(batch, st, *me.stats);
+    if (err.empty()) err = write_flags(st, {at<uint32_t>(dst, L.ret_flag[q]) + rank}, epoch);
+    if (!err.empty()) return err;
+  }
+  return "";
+}
+
 }  // namespace ep
 }  // namespace jsm

@@ -33,5 +33,12 @@ std::string ce_peer_rows(cudaStream_t stream, const WindowSet& w, LocalRank& me,
                          const cuda::EpArgs& a, uint32_t epoch, const std::vector<SegmentPut>& puts,
                          cudaEvent_t after_first_chunk = nullptr);
 
+// The combine (engine ce), after the stamps of this rank's landed rows are in ret_out_meta: each
+// (local expert, source) run of GEMM2's rows (in.rows) and their stamps to the source's return
+// slot `q` at the run's send positions, from the plan of this rank's latest dispatch (me.h_plan),
+// each source's runs followed by the write of this rank's ret_flag there.
+std::string ce_return_rows(cudaStream_t st, const WindowSet& w, LocalRank& me,
+                           const CombineView& in, uint32_t epoch, const DispatchOptions& opt);
+
 }  // namespace ep
 }  // namespace jsm

@@ -79,11 +79,12 @@ std::string dispatch(void* stream, const DispatchGeometry& g, const SendView& se
                      const LandedView& out, const DispatchOptions& opt, GemmLaunch gemm = nullptr,
                      void* gemm_ctx = nullptr);
 
-// Stage2's way back (engine sm; protocol: kernels/common/ep_window.h): GEMM2's rows [m_cap, H]
-// bf16 with the landed rows' headers, to y [T, H] bf16 of this rank's tokens. Runs on `stream`
-// through the window set opt.window_set (made with the return regions, of send_rows = T * K).
-// Returns "" or an error message.
-std::string combine(void* stream, const CombineView& in, const DispatchOptions& opt);
+// Stage2's way back (engines sm and ce; protocol: kernels/common/ep_window.h): GEMM2's rows with
+// the landed rows' headers to y [T, H] bf16 of this rank's tokens, on `stream` through the window
+// set opt.window_set (of send_rows = T * K). row_of: [T * K] int32 device scratch (engine ce's
+// index of the returned rows). Returns "" or an error message.
+std::string combine(void* stream, const CombineView& in, int32_t* row_of,
+                    const DispatchOptions& opt);
 
 }  // namespace ep
 }  // namespace jsm

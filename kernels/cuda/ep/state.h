@@ -43,6 +43,7 @@ struct LocalRank {
   cuda::PeerTable peers{};
   std::vector<void*> opened;  // IPC-opened peer windows
   uint32_t epoch = 0;
+  uint32_t ret_epoch = 0;  // the combine's calls, in step with ret_epoch_counter (engine ce)
   double timeout_s = 0;
   cuda::EpError* err_host = nullptr;  // mapped pinned memory
   cuda::EpError* err_dev = nullptr;

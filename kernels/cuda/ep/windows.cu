@@ -81,7 +81,7 @@ int64_t windows_create(EngineId engine, int sm_blocks, const DispatchGeometry& g
   }
   auto w = std::make_shared<WindowSet>();
   w->engine = engine, w->sm_blocks = sm_blocks, w->g = g;
-  w->L = cuda::ep_window_layout(g, /*with_return=*/engine == EngineId::kSm);  // sm's combine
+  w->L = cuda::ep_window_layout(g, /*with_return=*/true);  // the combine's
   for (size_t i = 0; i < ranks.size(); ++i) {
     LocalRank l;
     l.rank = int(ranks[i]), l.device = int(devices[i]);
