@@ -207,6 +207,7 @@ std::string ce_return_rows(cudaStream_t st, const WindowSet& w, LocalRank& me,
   const int q = int(epoch & 1), rank = me.rank;
   const EpWindowLayout& L = w.L;
   const ReturnMeta* stamps = at<ReturnMeta>(me.own, L.ret_out_meta);
+  RankStats not_counted;  // the rank's statistics count the dispatch's copies only
   CopyBatch batch;
   for (int64_t j = 1; j <= R; ++j) {  // peers first, this rank's own runs last
     const int64_t s = (rank + j) % R;
@@ -221,7 +222,7 @@ std::string ce_return_rows(cudaStream_t st, const WindowSet& w, LocalRank& me,
       batch.add(at<ReturnMeta>(dst, L.ret_meta[q]) + p.from, stamps + p.base,
                 size_t(p.keep) * sizeof(ReturnMeta));
     }
-    std::string err = put(batch, st, *me.stats);
+    std::string err = put(batch, st, not_counted);
     if (err.empty()) err = write_flags(st, {at<uint32_t>(dst, L.ret_flag[q]) + rank}, epoch);
     if (!err.empty()) return err;
   }
