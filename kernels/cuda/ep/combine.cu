@@ -142,10 +142,10 @@ std::string combine(void* stream, const CombineView& in, const DispatchOptions& 
     JSM_CUDA_TRY("combine", cudaMemsetAsync(in.y, 0, size_t(in.T * in.H) * 2, st));
     return "";
   }
-  cuda::ReturnArgs a{me->peers, w->L, int(w->g.R), me->rank,
-                     at<uint32_t>(me->own, w->L.ret_epoch_counter),
+  uint32_t* counter = at<uint32_t>(me->own, w->L.ret_epoch_counter);
+  cuda::ReturnArgs a{me->peers, w->L, int(w->g.R), me->rank, counter,
                      uint64_t(opt.timeout_s * 1e9), me->err_dev, in};
-  cuda::ep_return_begin_kernel<<<1, 1, 0, st>>>(at<uint32_t>(me->own, w->L.ret_epoch_counter));
+  cuda::ep_return_begin_kernel<<<1, 1, 0, st>>>(counter);
   JSM_CUDA_TRY("combine begin", cudaGetLastError());
   if (in.m_cap > 0) {
     const int grid = int(std::min<int64_t>(cuda::grid_for(in.m_cap, cuda::kThreads / cuda::kWarp),
