@@ -37,7 +37,7 @@ from jax_sdma_moe import primitives, reference
 from bench import inputs
 from bench.inputs import AXIS
 from bench.natives import native_exchange, native_pack
-from bench.paths import per_rank_jit
+from bench.paths import dispatch_row_bytes, per_rank_jit
 from bench.processes import RUN_FAILURES, CheckError, global_to_host, progress, same_outcome
 from bench.report import metadata
 from bench.tables import render_table
@@ -57,13 +57,8 @@ NOTES = (
     "disp ms / comb ms: an engine's dispatch alone (jsm.api.dispatch of this call's send buffer) "
     "and combine alone (jsm.api.combine of this call's GEMM2 rows), median per call; comb/disp "
     "per B: the combine's time per wire byte over the dispatch's (both move every routed row "
-    "once: a landed row H + H/32 + 16 bytes, a returned row 2H + 8).",
+    "once: a landed row H + H/32 + 12 bytes, a returned row 2H + 8).",
 )
-
-
-def dispatch_row_bytes(H: int) -> int:
-  """A landed row on the wire: fp8 values, scales, its 16-byte header."""
-  return H + H // jsm.layout.BLOCK + 16
 
 
 def combine_row_bytes(H: int) -> int:

@@ -39,6 +39,11 @@ class BenchPath:
   runtime: Any = None             # an engine path's jsm.Runtime
 
 
+def dispatch_row_bytes(H: int) -> int:
+  """A landed row on the wire: fp8 values, scales, and the 12 bytes of token, slot and weight."""
+  return H + H // layout.BLOCK + 12
+
+
 def per_rank_jit(mesh, fn: Callable) -> Callable:
   """jit(shard_map(fn)) where every argument and result is stacked over ranks on axis 0."""
   def body(*args):
@@ -79,7 +84,7 @@ def engine_path(mesh, rt: jsm.Runtime, shape: jsm.MoEShape, cap: int, inputs, w1
   H = shape.hidden
   return BenchPath(f"engine:{rt.engine.name}", "engine", per_rank_jit(mesh, stage1),
                    [per_rank_jit(mesh, f) for f in (route_qpack, dispatch, gemm1)], inputs, w1q,
-                   H + H // layout.BLOCK + 12, compute_dtype, check_engine, runtime=rt)
+                   dispatch_row_bytes(H), compute_dtype, check_engine, runtime=rt)
 
 
 def engine_paths(args, mesh, shape: jsm.MoEShape, cap: int, inputs, w1q, engines: Sequence[str],

@@ -144,11 +144,9 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer rows, S32Vec src_rank
   JSM_RETURN_IF_ERROR(check_dtype(rows, ffi::DataType::BF16, "combine rows"));
   JSM_RETURN_IF_ERROR(check_dtype(*y, ffi::DataType::BF16, "combine output"));
   const auto yd = y->dimensions();  // [T, H]
-  const jsm::CombineView in{static_cast<const uint16_t*>(rows.untyped_data()),
-                            src_rank.typed_data(),
-                            token.typed_data(),
-                            slot.typed_data(),
-                            weight.typed_data(),
+  const jsm::CombineView in{{static_cast<const uint16_t*>(rows.untyped_data()),
+                             src_rank.typed_data(), token.typed_data(), slot.typed_data(),
+                             weight.typed_data()},
                             rows_of(rows),
                             yd[0],
                             topk,

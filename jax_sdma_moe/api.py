@@ -237,7 +237,8 @@ def stage2(out1: Stage1Output, w2q: QuantizedW2, *, runtime: Runtime) -> jax.Arr
     raise ValueError(f"stage2: H = {H} must be a multiple of {BLOCK}")
   _check_axis(runtime, "stage2")
   _check_stage2_built(runtime)
-  workspace = (layout.workspace_bytes(layout.gemm2_workspace(M, H, I, EL)) + T * K * 4
+  workspace = (layout.workspace_bytes(layout.gemm2_workspace(M, H, I, EL) +
+                                      layout.combine_workspace(T, K))
                if runtime.platform == "cuda" else 0)  # (CUDA gemm2's and combine's, DESIGN §5)
   runtime.check_memory(f"stage2 of T = {T} tokens of H = {H} from M_cap = {M} landing rows",
                        stage2_bytes(M, T, K, H, I) + workspace)

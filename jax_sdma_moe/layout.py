@@ -66,6 +66,12 @@ def gemm2_workspace(cap: int, hidden: int, intermediate: int, experts_per_rank: 
                              intermediate % 512 == 0 and hidden % 256 == 0)
 
 
+def combine_workspace(tokens: int, topk: int):
+  """The CUDA combine's workspace (DESIGN §5): the landed row of each (token, slot), [T * K]
+  int32."""
+  return (((tokens * topk,), jnp.int32),)
+
+
 def workspace_bytes(workspace) -> int:
   """Bytes of a workspace spec ((shape, dtype), ...)."""
   return sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in workspace)

@@ -18,7 +18,8 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from .layout import BLOCK, GEMM_TILE_TOKENS, gemm1_workspace, gemm2_workspace
+from .layout import (BLOCK, GEMM_TILE_TOKENS, combine_workspace, gemm1_workspace,
+                     gemm2_workspace)
 from .types import MXFP8, Landed, Route, SendBuffer
 
 F8 = jnp.float8_e4m3fn
@@ -311,8 +312,7 @@ _combine_p = _make(
     "combine", lambda rows, src_rank, token, slot, weight, rank, *, num_tokens, topk, options: (
         _aval((num_tokens, rows.shape[1]), jnp.bfloat16),),
     lambda p: {"dispatch": p["options"].ffi_attr(), "topk": np.int64(p["topk"])},
-    # CUDA: the row of each (token, slot), [T * K] int32
-    cuda_workspace=lambda *avals, num_tokens, topk, **_: (((num_tokens * topk,), jnp.int32),))
+    cuda_workspace=lambda *avals, num_tokens, topk, **_: combine_workspace(num_tokens, topk))
 
 
 def combine(rows: jax.Array, src_rank: jax.Array, token: jax.Array, slot: jax.Array,

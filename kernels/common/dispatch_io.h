@@ -38,14 +38,19 @@ struct LandedView {
   int32_t* overflow;
 };
 
-// What a combine reads and writes on one rank: GEMM2's rows [m_cap, H] bf16 with the landed rows'
-// headers (src_rank -1: padding), and y [T, H] bf16 of this rank's tokens (K slots each).
-struct CombineView {
+// What the combine reads on one rank: GEMM2's output rows [m_cap, H] bf16 with the landed rows'
+// headers (DESIGN.md §4; src_rank -1 on padding rows).
+struct ReturnRows {
   const uint16_t* rows;
   const int32_t* src_rank;
   const int32_t* token;
   const int32_t* slot;
   const float* weight;
+};
+
+// The GPU combines' whole view on one rank: the rows and headers, their sizes, and y [T, H] bf16
+// of this rank's tokens (K slots each).
+struct CombineView : ReturnRows {
   int64_t m_cap, T, K, H;
   uint16_t* y;
 };

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/common/dispatch_io.h"  // ReturnRows
 #include "kernels/common/mxfp8.h"
 #include "kernels/cpu/grouped_gemm.h"
 
@@ -70,16 +71,6 @@ void combine_tokens(int64_t T, int64_t K, int64_t H, RowOf row_of, uint16_t* y) 
     for (int64_t c = 0; c < H; ++c) y[t * H + c] = f32_to_bf16(acc[c]);
   }
 }
-
-// What the combine reads on one rank: GEMM2's output rows [m_cap, H] bf16 with the landed rows'
-// headers (DESIGN.md §4; src_rank -1 on padding rows).
-struct ReturnRows {
-  const uint16_t* rows;
-  const int32_t* src_rank;
-  const int32_t* token;
-  const int32_t* slot;
-  const float* weight;
-};
 
 // The combine's static sizes: ranks, tokens per rank (T) and top-k (K) of the sources, hidden,
 // landed rows.
