@@ -67,6 +67,17 @@ def random_w2q(key, E: int, I: int, H: int) -> jsm.QuantizedW2:
   return jsm.quantize_w2(jax.random.normal(key, (E, H, I), jnp.bfloat16) * (1 / np.sqrt(I)))
 
 
+def to_ranks(a, mesh):
+  """a [R, ...] (the same whole array in every process: host data, or drawn on this process's
+  default device from the same key) split over the mesh's ranks, each process placing only its own
+  ranks' pieces, so no data moves between processes. (With jax.device_put of the device arrays to
+  the mesh's sharding instead, the layer under mpirun on 2xH200 printed nothing in 6 minutes.)"""
+  sharding = NamedSharding(mesh, P(AXIS))
+  pieces = [jax.device_put(a[index], device)
+            for device, index in sharding.addressable_devices_indices_map(a.shape).items()]
+  return jax.make_array_from_single_device_arrays(a.shape, sharding, pieces)
+
+
 def default_device_weights(shape: jsm.MoEShape, key) -> tuple:
   """(w1q [E, 2I, H], w2q [E, H, I]) of the whole layer on the default device, drawn there (the
   host's generator takes minutes for dsv3's 45 GB of float32 draws)."""

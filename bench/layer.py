@@ -29,7 +29,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_sdma_moe as jsm
 from jax_sdma_moe import primitives, reference
@@ -42,6 +41,7 @@ from bench.processes import RUN_FAILURES, CheckError, global_to_host, progress, 
 from bench.report import metadata
 from bench.tables import render_table
 from bench.timing import first_call, time_calls
+from bench.trace import kernel_table
 
 REL_TOL, MAX_TOL = 1e-2, 3e-2  # DESIGN.md §3, Stage2: per rank against the float32 reference
 SAMPLE_TOKENS = 32             # tokens per rank checked against the reference
@@ -66,10 +66,20 @@ def combine_row_bytes(H: int) -> int:
   return 2 * H + 8
 
 
+def gemm2_operand(h32: jax.Array, stage1_out: str) -> jax.Array:
+  """float32 h -> the values GEMM2 multiplies (DESIGN §3, Stage2): q(bf16 h) where Stage1 emits
+  bf16; where it emits MX-fp8, its quantisation of the float32 h (where rounding to bf16 first
+  moves a value across an e4m3 rounding boundary the bytes differ by a step: against q(bf16 h),
+  jsm.moe with MX-fp8 Stage1 measured 1.7e-2 relative in y on 2xH200, so each is held to its own)."""
+  h = reference.finish_h(h32, stage1_out)
+  return reference.dequantize(*(h if stage1_out == "mxfp8" else reference.quantize(h)))
+
+
 def native_layer(inp, w, *, num_ranks: int, experts_per_rank: int, capacity: int,
-                 swiglu_limit: Optional[float]):
+                 swiglu_limit: Optional[float], stage1_out: str):
   """One rank of the JAX-native capacity layer: inp (x [T, H] bf16, ids, weights [T, K]), w (w1
-  [EL, H, 2I], w2 [EL, I, H] bf16) -> (y [T, H] bf16, kept [T, K]: the slots that were computed)."""
+  [EL, H, 2I], w2 [EL, I, H] bf16) -> (y [T, H] bf16, kept [T, K]: the slots that were computed).
+  h goes to GEMM2 as the engines' Stage2 takes it (gemm2_operand)."""
   x, ids, weights = inp
   w1, w2 = w
   R, EL = num_ranks, experts_per_rank
@@ -84,8 +94,8 @@ def native_layer(inp, w, *, num_ranks: int, experts_per_rank: int, capacity: int
 
   gu = jnp.einsum("emh,ehn->emn", expert_major(rows), w1, preferred_element_type=jnp.float32)
   I = gu.shape[-1] // 2
-  h = reference.swiglu(gu[..., :I], gu[..., I:], swiglu_limit).astype(jnp.bfloat16)
-  h = reference.dequantize(*reference.quantize(h)).astype(jnp.bfloat16)  # exact in bf16
+  h = gemm2_operand(reference.swiglu(gu[..., :I], gu[..., I:], swiglu_limit), stage1_out)
+  h = h.astype(jnp.bfloat16)  # exact in bf16
   y_e = jnp.einsum("emi,eih->emh", h, w2, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
   back = jnp.swapaxes(y_e.reshape(EL, R, C, H), 0, 1).reshape(R, P, H)  # source-major again
   returned = lax.all_to_all(back, AXIS, 0, 0).reshape(R * P, H)  # in the places this rank packed
@@ -99,12 +109,12 @@ def native_layer(inp, w, *, num_ranks: int, experts_per_rank: int, capacity: int
   return y.astype(jnp.bfloat16), kept
 
 
-@functools.partial(jax.jit, static_argnames=("swiglu_limit",))
+@functools.partial(jax.jit, static_argnames=("swiglu_limit", "stage1_out"))
 def token_reference(x, ids, weights, w1q: jsm.QuantizedW1, w2q: jsm.QuantizedW2, *,
-                    swiglu_limit: Optional[float]) -> jax.Array:
+                    swiglu_limit: Optional[float], stage1_out: str) -> jax.Array:
   """float32 y [N, H] of N tokens (x [N, H] bf16, ids/weights [N, K], global weights), computed
-  one (token, slot) at a time through its expert: the layer's arithmetic of DESIGN.md §3 with
-  bf16 h; ids outside [0, E) add nothing."""
+  one (token, slot) at a time through its expert: the layer's arithmetic of DESIGN.md §3 with h
+  as Stage1 emits it (gemm2_operand); ids outside [0, E) add nothing."""
   N, K = ids.shape
   E = w1q.values.shape[0]
   xq = reference.dequantize(*reference.quantize(x))
@@ -114,9 +124,8 @@ def token_reference(x, ids, weights, w1q: jsm.QuantizedW1, w2q: jsm.QuantizedW2,
     ec = jnp.clip(e, 0, E - 1)
     gu = reference.dequantize(w1q.values[ec], w1q.scales[ec]) @ xrow
     I = gu.shape[0] // 2
-    h = reference.swiglu(gu[:I], gu[I:], swiglu_limit).astype(jnp.bfloat16)
-    y = reference.dequantize(w2q.values[ec], w2q.scales[ec]) @ reference.dequantize(
-        *reference.quantize(h))
+    y = reference.dequantize(w2q.values[ec], w2q.scales[ec]) @ gemm2_operand(
+        reference.swiglu(gu[:I], gu[I:], swiglu_limit), stage1_out)
     return jnp.where((e >= 0) & (e < E), weight, 0.0) * y
 
   terms = lax.map(one, (jnp.repeat(xq, K, axis=0), ids.reshape(-1), weights.reshape(-1)),
@@ -183,7 +192,7 @@ def layer_paths(args, mesh, shape: jsm.MoEShape, T: int, host: inputs.HostInputs
   R = mesh.shape[AXIS]
   E, K = shape.num_experts, shape.topk
   EL = E // R
-  put = functools.partial(jax.device_put, device=NamedSharding(mesh, P(AXIS)))
+  put = functools.partial(inputs.to_ranks, mesh=mesh)
   by_rank = lambda q: jax.tree.map(lambda a: a.reshape(R, EL, *a.shape[1:]), q)  # on the host
   per_rank = lambda q: jax.tree.map(put, by_rank(q))
   ids, weights = put(host.ids), put(host.weights)
@@ -191,7 +200,8 @@ def layer_paths(args, mesh, shape: jsm.MoEShape, T: int, host: inputs.HostInputs
   for engine in engines:
     rt = jsm.Runtime(mesh, AXIS, jsm.Stage1Config(engine=engine, row_align=args.row_align,
                                                   swiglu_limit=shape.swiglu_limit,
-                                                  gemm_tile_tokens=args.gemm_tile_tokens))
+                                                  gemm_tile_tokens=args.gemm_tile_tokens,
+                                                  out_dtype=args.stage1_out))
     closing.callback(rt.close)
     fn = per_rank_jit(mesh, lambda inp, w, rt=rt: jsm.moe(inp[0], inp[1:], *w, runtime=rt))
     paths.append((f"engine:{engine}", "engine", fn, (put(host.x), ids, weights),
@@ -200,7 +210,7 @@ def layer_paths(args, mesh, shape: jsm.MoEShape, T: int, host: inputs.HostInputs
     capacity = max(1, math.ceil(args.capacity_factor * T * K / E))
     fn = per_rank_jit(mesh, functools.partial(
         native_layer, num_ranks=R, experts_per_rank=EL, capacity=capacity,
-        swiglu_limit=shape.swiglu_limit))
+        swiglu_limit=shape.swiglu_limit, stage1_out=args.stage1_out))
     paths.append((f"native:layer(cf={args.capacity_factor:g})", "native", fn,
                   (put(inputs.native_x(jnp.asarray(host.x))), ids, weights),
                   (put(inputs.native_w1(by_rank(w1q))), put(inputs.native_w1(by_rank(w2q)))),
@@ -209,8 +219,9 @@ def layer_paths(args, mesh, shape: jsm.MoEShape, T: int, host: inputs.HostInputs
 
 
 def layer_config(args, mesh, shape: jsm.MoEShape, T: int, engines: Sequence[str], skip: set,
-                 rng: np.random.Generator) -> list:
-  """One (shape, tokens): inputs, the paths, each checked, then each timed; a row per path."""
+                 rng: np.random.Generator, traces: list) -> list:
+  """One (shape, tokens): inputs, the paths, each checked, then each timed; a row per path.
+  --trace: each path's kernel table (bench/trace.py) appended to `traces`."""
   R = mesh.shape[AXIS]
   E, H = shape.num_experts, shape.hidden
   if E % R:
@@ -227,7 +238,7 @@ def layer_config(args, mesh, shape: jsm.MoEShape, T: int, engines: Sequence[str]
         -1, *np.shape(a)[2:])
     y = token_reference(jnp.asarray(take(host.x)), jnp.asarray(take(ids_used)),
                         jnp.asarray(take(host.weights)), w1q, w2q,
-                        swiglu_limit=shape.swiglu_limit)
+                        swiglu_limit=shape.swiglu_limit, stage1_out=args.stage1_out)
     return np.asarray(y).reshape(R, sample.shape[1], H)
 
   engine_ref = ref_for(host.ids)
@@ -258,6 +269,9 @@ def layer_config(args, mesh, shape: jsm.MoEShape, T: int, engines: Sequence[str]
       if rt is not None:
         progress(f"{tag} {name}: dispatch alone, combine alone")
         row.update(stage_times(args, mesh, rt, shape, T, inp, w))
+      if args.trace:
+        traces.append(kernel_table(fn, (inp, w), args.iters, f"{tag} {name}"))
+        progress(traces[-1])
       rows.append(row)
   names = list(engine_y)
   for name in names[1:]:
@@ -304,11 +318,14 @@ def layer_main(args, skip: set, shapes: Sequence[str], tokens: Sequence[int],
   out = Path(args.out) / f"{args.tag or 'layer-' + platform}.json"
   out.parent.mkdir(parents=True, exist_ok=True)
   meta = metadata(args, engines, devices, launch)
-  rows, writes = [], jax.process_index() == 0
+  rows, writes, traces = [], jax.process_index() == 0, []
+  trace_out = out.with_name(out.stem + "-trace.txt")
   with jax.default_device(jax.local_devices(backend=platform)[0]):
     for name in shapes:
       for T in tokens:
-        rows += layer_config(args, mesh, jsm.SHAPES[name], T, engines, skip, rng)
+        rows += layer_config(args, mesh, jsm.SHAPES[name], T, engines, skip, rng, traces)
+        if writes and traces:
+          trace_out.write_text("\n\n".join(traces) + "\n")
         if writes:
           out.write_text(json.dumps({"meta": meta, "notes": list(NOTES), "results": rows},
                                     indent=1) + "\n")

@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help="Stage1Config.gemm_tile_tokens, the CUDA bf16 GEMMs' tile width, one of "
                       "jax_sdma_moe.layout.GEMM_TILE_TOKENS (default: the library's choice by "
                       "rows per expert)")
+  p.add_argument("--stage1-out", choices=("bf16", "mxfp8"), default="bf16",
+                 help="--layer: Stage1Config.out_dtype of jsm.moe (mxfp8: GEMM1 writes h as "
+                      "MX-fp8 and Stage2 takes those bytes, no second quantisation; DESIGN §3) "
+                      "(default: %(default)s)")
   p.add_argument("--capacity-factor", type=float, default=1.25,
                  help="all_to_all+einsum baseline: capacity / mean rows per (source, expert) "
                       "(default: %(default)s)")
@@ -134,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="the whole MoE layer instead of Stage1: jsm.moe per engine against the "
                       "JAX-native capacity layer, checked and timed in the same run "
                       "(bench/layer.py); CPU devices, or --gpu's devices of --platform")
+  p.add_argument("--trace", action="store_true",
+                 help="--layer --gpu: after timing, each path's kernels per device and call from "
+                      "JAX's profiler (bench/trace.py), in the log and <out>/<tag>-trace.txt")
   p.add_argument("--merge", nargs="+", metavar="JSON",
                  help="run nothing: one table, JSON and PNG (under --out, named --tag) from "
                       "earlier runs' JSON files of one mode, e.g. a run cut short by a time limit "

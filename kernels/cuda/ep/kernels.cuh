@@ -214,19 +214,22 @@ __global__ void ep_rows_kernel(const EpArgs a, LandedView out, bool absent, bool
   for (int e = threadIdx.x; e < EL; e += blockDim.x)
     offsets[e] = out.expert_offsets[e], counts[e] = out.expert_counts[e];
   if (!absent) {
-    // a wait of this call already ran out (the plan): the call is failed, don't wait again
-    const bool failed =  // block-uniform
-        __syncthreads_or(threadIdx.x == 0 && static_cast<volatile EpError*>(a.err)->code != 0);
     const uint32_t* flags = at<const uint32_t>(own, a.L.seg_flag[p]);
     const uint64_t deadline = globaltimer_ns() + a.timeout_ns;
-    for (;;) {
-      bool ok = !failed;
+    for (bool first = true;; first = false) {
+      bool ok = true;
       int missing = -1;
       // warp 0 polls: every resident block polling with all its threads floods L2 with
       // system-scope loads while the rows it waits for are still being stored
-      for (int i = threadIdx.x; i < R * EL && !failed && threadIdx.x < kWarp; i += kWarp)
+      for (int i = threadIdx.x; i < R * EL && threadIdx.x < kWarp; i += kWarp)
         if (!epoch_reached(ld_acquire_sys(flags + i), epoch)) ok = false, missing = i;
-      if (__syncthreads_and(ok) || failed) break;
+      if (__syncthreads_and(ok)) break;
+      // not all there: if a wait of this call already ran out (the plan's, the GEMM's), the call
+      // is failed, so don't wait again. Read only here: the error word is host memory, and a
+      // read of it by each of the grid's 528 blocks first cost 0.5 ms per call (2xH200)
+      if (first && __syncthreads_or(threadIdx.x == 0 &&
+                                    static_cast<volatile EpError*>(a.err)->code != 0))
+        break;
       if (__syncthreads_or(threadIdx.x == 0 && globaltimer_ns() > deadline)) {
         if (missing >= 0) record_wait_error(a.err, 2, missing % R, missing / R, epoch);
         break;  // the rows are not trusted; the error surfaces at the next host check
