@@ -14,7 +14,6 @@
 #include "kernels/cuda/ep/engine.h"
 #include "kernels/cuda/gemm1/launch.h"
 #include "kernels/cuda/launch_util.h"
-#include "kernels/cuda/stage2/combine_local.h"
 
 namespace ffi = xla::ffi;
 
@@ -42,6 +41,12 @@ struct CudaEngines {
                               const jsm::SendView& send, const jsm::LandedView& out,
                               const jsm::DispatchOptions& opt) {
     return jsm::ep::dispatch(stream, g, send, out, opt);
+  }
+  static constexpr const char* kServesCombine = kServes;
+  static bool serves_combine(EngineId e) { return serves(e); }
+  static std::string combine(void* stream, const jsm::CombineView& in, int32_t* row_of,
+                             const jsm::DispatchOptions& opt) {
+    return jsm::ep::combine(stream, in, row_of, opt);
   }
 };
 
@@ -104,14 +109,7 @@ ffi::Error Gemm2Impl(cudaStream_t stream, ffi::AnyBuffer h, S32Vec expert_offset
                      S32Vec expert_counts, ffi::AnyBuffer w_values, ffi::AnyBuffer w_scales,
                      std::optional<ffi::AnyBuffer> h_scales, ffi::Result<ffi::AnyBuffer> y,
                      ffi::RemainingRets rets, int64_t tile_tokens) {
-  JSM_RETURN_IF_ERROR(check_dtype(w_values, ffi::DataType::F8E4M3FN, "gemm2 weights"));
-  JSM_RETURN_IF_ERROR(check_dtype(*y, ffi::DataType::BF16, "gemm2 output"));
-  if (!h_scales.has_value())
-    return ffi::Error::InvalidArgument(
-        "jax_sdma_moe gemm2 (CUDA): takes MX-fp8 rows of h (values and scales); quantise bf16 h "
-        "with jax_sdma_moe.primitives.quantize first, as jsm.stage2 does");
-  JSM_RETURN_IF_ERROR(check_dtype(h, ffi::DataType::F8E4M3FN, "gemm2 MX-fp8 rows"));
-  JSM_RETURN_IF_ERROR(check_dtype(*h_scales, ffi::DataType::U8, "gemm2 row scales"));
+  JSM_RETURN_IF_ERROR(jsm::gpu_handlers::check_gemm2("CUDA", h, w_values, h_scales, *y));
   const auto wd = w_values.dimensions();  // [EL, H, I]
   Gemm1Args g{};
   g.a = ptr<uint8_t>(h);
@@ -129,39 +127,6 @@ ffi::Error Gemm2Impl(cudaStream_t stream, ffi::AnyBuffer h, S32Vec expert_offset
   JSM_RETURN_IF_ERROR(decode_workspace(rets, 0, g.m_cap, g.H, &g));
   return launch_error(
       jsm::cuda::gemm1::launch_gemm2(g, jsm::cuda::num_sms(), stream, tile_tokens));
-}
-
-// Stage2's combine: engine local (and engine xla's sum after its exchange) within the rank, the
-// CPU backend's arithmetic and bytes (kernels/cuda/stage2/combine_local.h); engines sm and ce
-// through the Runtime's windows (kernels/cuda/ep/combine.cu), the same sum. rets: the (token,
-// slot) index workspace [T * K] int32 (engines local and ce).
-ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer rows, S32Vec src_rank, S32Vec token,
-                       S32Vec slot, F32Vec weight, S32Scalar rank, ffi::Result<ffi::AnyBuffer> y,
-                       ffi::RemainingRets rets, jsm::DispatchOptions opt, int64_t topk) {
-  if (opt.engine != EngineId::kLocal && opt.engine != EngineId::kSm &&
-      opt.engine != EngineId::kCe)
-    return jsm::handler::wrong_engine("combine (CUDA)", opt.engine, "engines local, sm and ce");
-  JSM_RETURN_IF_ERROR(check_dtype(rows, ffi::DataType::BF16, "combine rows"));
-  JSM_RETURN_IF_ERROR(check_dtype(*y, ffi::DataType::BF16, "combine output"));
-  const auto yd = y->dimensions();  // [T, H]
-  const jsm::CombineView in{{static_cast<const uint16_t*>(rows.untyped_data()),
-                             src_rank.typed_data(), token.typed_data(), slot.typed_data(),
-                             weight.typed_data()},
-                            rows_of(rows),
-                            yd[0],
-                            topk,
-                            yd[1],
-                            static_cast<uint16_t*>(y->untyped_data())};
-  auto row_of = rets.get<ffi::AnyBuffer>(0);
-  if (rets.size() != 1 || !row_of.has_value())
-    return ffi::Error::InvalidArgument("jax_sdma_moe combine (CUDA): expected 1 workspace result");
-  if ((*row_of)->size_bytes() != size_t(yd[0] * topk) * sizeof(int32_t))
-    return ffi::Error::InvalidArgument("jax_sdma_moe combine (CUDA): workspace of the wrong size");
-  int32_t* index = static_cast<int32_t*>((*row_of)->untyped_data());
-  if (opt.engine != EngineId::kLocal)
-    return engine_error(jsm::ep::combine(stream, in, index, opt));
-  const jsm::cuda::CombineLocalArgs a{in, index};
-  return launch_error(jsm::cuda::launch_combine_local(a, stream));
 }
 
 // The fused GEMM of engines ce/sm (what gemm_on_slot reads through its context).
@@ -235,6 +200,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmGemm1Cuda, Gemm1Impl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmGemm2Cuda, Gemm2Impl,
                               jsm::sig::gemm2<true>(ffi::Ffi::Bind().Ctx<Stream>()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmCombineCuda, CombineImpl,
-                              jsm::sig::combine<true>(ffi::Ffi::Bind().Ctx<Stream>()));

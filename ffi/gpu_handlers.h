@@ -1,13 +1,17 @@
 // The handlers that the CUDA and ROCm platforms share, as templates over the platform's window
-// engines (`Engines`): quantize, route, qpack / pack, check_overflow, and dispatch (engine local
-// everywhere, the platform's window engines through Engines::dispatch). Each decodes what XLA
-// hands it and calls a launcher of kernels/common/gpu_stages.h on XLA's stream. Included by
-// ffi/cuda_handlers.cu and ffi/rocm_handlers.cc only, each with its own Engines:
+// engines (`Engines`): quantize, route, qpack / pack, check_overflow, dispatch and combine (engine
+// local everywhere, the platform's window engines through Engines::dispatch / ::combine). Each
+// decodes what XLA hands it and calls a launcher of kernels/common/gpu_stages.h or gpu_stage2.h
+// on XLA's stream. Included by ffi/cuda_handlers.cu and ffi/rocm_handlers.cc only, each with its
+// own Engines:
 //   static constexpr const char* kPlatform;           // "CUDA", "ROCm": for messages
-//   static bool serves(EngineId);                       // its window engines
+//   static bool serves(EngineId);                       // its window engines' dispatch
 //   static constexpr const char* kServes;             // "engines local, ce and sm", ...
 //   static std::string dispatch(void* stream, const DispatchGeometry&, const SendView&,
 //                               const LandedView&, const DispatchOptions&);   // "" or an error
+//   static bool serves_combine(EngineId);  static constexpr const char* kServesCombine;
+//   static std::string combine(void* stream, const CombineView&, int32_t* row_of,
+//                              const DispatchOptions&);                       // "" or an error
 #pragma once
 
 #include <optional>
@@ -15,6 +19,7 @@
 
 #include "ffi/handler_util.h"
 #include "ffi/signatures.h"
+#include "kernels/common/gpu_stage2.h"
 #include "kernels/common/gpu_stages.h"
 #include "kernels/common/mxfp8.h"
 
@@ -199,6 +204,57 @@ ffi::Error DispatchImpl(gpu::Stream stream, ffi::AnyBuffer values, ffi::AnyBuffe
   return last_error("dispatch");
 }
 
+// gemm2's operands on both GPUs: MX-fp8 rows of h with their scales (jsm.stage2 quantises bf16 h
+// first on every platform), MX-fp8 weights, a bf16 output.
+inline ffi::Error check_gemm2(const char* platform, const ffi::AnyBuffer& h,
+                              const ffi::AnyBuffer& w_values,
+                              const std::optional<ffi::AnyBuffer>& h_scales,
+                              const ffi::AnyBuffer& y) {
+  JSM_RETURN_IF_ERROR(check_dtype(w_values, ffi::DataType::F8E4M3FN, "gemm2 weights"));
+  JSM_RETURN_IF_ERROR(check_dtype(y, ffi::DataType::BF16, "gemm2 output"));
+  if (!h_scales.has_value())
+    return ffi::Error::InvalidArgument(
+        std::string("jax_sdma_moe gemm2 (") + platform + "): takes MX-fp8 rows of h (values and "
+        "scales); quantise bf16 h with jax_sdma_moe.primitives.quantize first, as jsm.stage2 does");
+  JSM_RETURN_IF_ERROR(check_dtype(h, ffi::DataType::F8E4M3FN, "gemm2 MX-fp8 rows"));
+  return check_dtype(*h_scales, ffi::DataType::U8, "gemm2 row scales");
+}
+
+// Stage2's combine: engine local (and engine xla's sum after its exchange) within the rank
+// (gpu_stage2.h: the CPU backend's arithmetic and bytes); the platform's window engines through
+// Engines::combine, the same sum. rets: the (token, slot) index workspace [T * K] int32.
+template <class Engines>
+ffi::Error CombineImpl(gpu::Stream stream, ffi::AnyBuffer rows, S32Vec src_rank, S32Vec token,
+                       S32Vec slot, F32Vec weight, S32Scalar /*rank*/,
+                       ffi::Result<ffi::AnyBuffer> y, ffi::RemainingRets rets,
+                       DispatchOptions opt, int64_t topk) {
+  const std::string where = std::string("combine (") + Engines::kPlatform + ")";
+  if (opt.engine != EngineId::kLocal && !Engines::serves_combine(opt.engine))
+    return handler::wrong_engine(where.c_str(), opt.engine, Engines::kServesCombine);
+  JSM_RETURN_IF_ERROR(check_dtype(rows, ffi::DataType::BF16, "combine rows"));
+  JSM_RETURN_IF_ERROR(check_dtype(*y, ffi::DataType::BF16, "combine output"));
+  const auto yd = y->dimensions();  // [T, H]
+  if (yd[1] % gpu::kSumCols != 0)
+    return ffi::Error::InvalidArgument("jax_sdma_moe " + where + ": H must be a multiple of 8");
+  const CombineView in{{static_cast<const uint16_t*>(rows.untyped_data()), src_rank.typed_data(),
+                        token.typed_data(), slot.typed_data(), weight.typed_data()},
+                       rows_of(rows),
+                       yd[0],
+                       topk,
+                       yd[1],
+                       static_cast<uint16_t*>(y->untyped_data())};
+  auto row_of = rets.get<ffi::AnyBuffer>(0);
+  if (rets.size() != 1 || !row_of.has_value())
+    return ffi::Error::InvalidArgument("jax_sdma_moe " + where + ": expected 1 workspace result");
+  if ((*row_of)->size_bytes() != size_t(yd[0] * topk) * sizeof(int32_t))
+    return ffi::Error::InvalidArgument("jax_sdma_moe " + where + ": workspace of the wrong size");
+  int32_t* index = static_cast<int32_t*>((*row_of)->untyped_data());
+  if (opt.engine != EngineId::kLocal)
+    return engine_error(Engines::combine(stream, in, index, opt));
+  gpu::launch_combine_local({in, index}, stream);
+  return last_error(where.c_str());
+}
+
 inline ffi::Error CheckOverflowImpl(gpu::Stream stream, S32Scalar overflow, S32Scalar rank,
                                     std::optional<ffi::AnyBuffer> /*after: orders, not read*/,
                                     ffi::Result<S32Scalar> out, int64_t cap) {
@@ -220,7 +276,7 @@ inline ffi::Error CheckOverflowImpl(gpu::Stream stream, S32Scalar overflow, S32S
 
 // Defines the shared handlers' symbols of platform P (Cuda, Rocm) for its stream context and
 // window engines: JsmQuantizeP, JsmRouteP, JsmQpackP, JsmPackP, JsmDispatchP, JsmCheckOverflowP,
-// and JsmDispatchGraphP — the dispatch registered as command-buffer compatible, for the engines
+// JsmCombineP, and JsmDispatchGraphP — the dispatch registered as command-buffer compatible, for the engines
 // with no host step per call (sm, sdma: their epoch lives on the device), so XLA may capture
 // them in CUDA / HIP graphs.
 #define JSM_DEFINE_GPU_HANDLERS(P, STREAM, ENGINES)                                           \
@@ -239,4 +295,6 @@ inline ffi::Error CheckOverflowImpl(gpu::Stream stream, S32Scalar overflow, S32S
                                 ::jsm::sig::dispatch(::xla::ffi::Ffi::Bind().Ctx<STREAM>()),   \
                                 {::xla::ffi::Traits::kCmdBufferCompatible});                  \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmCheckOverflow##P, ::jsm::gpu_handlers::CheckOverflowImpl,  \
-                                ::jsm::sig::check_overflow(::xla::ffi::Ffi::Bind().Ctx<STREAM>()))
+                                ::jsm::sig::check_overflow(::xla::ffi::Ffi::Bind().Ctx<STREAM>())); \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmCombine##P, ::jsm::gpu_handlers::CombineImpl<ENGINES>,     \
+                                ::jsm::sig::combine<true>(::xla::ffi::Ffi::Bind().Ctx<STREAM>()))

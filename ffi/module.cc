@@ -62,6 +62,7 @@ PYBIND11_MODULE(_jsm_ffi, m) {
                     {"qpack", JsmQpackRocm}, {"pack", JsmPackRocm}, {"dispatch", JsmDispatchRocm},
                     {"check_overflow", JsmCheckOverflowRocm},
                     {"dispatch_graph", JsmDispatchGraphRocm},
+                    {"gemm2", JsmGemm2Rocm}, {"combine", JsmCombineRocm},
 #ifdef JSM_ROCM_FLYDSL
                     {"gemm1", JsmGemm1Rocm}, {"dispatch_gemm1", JsmDispatchGemm1Rocm},
                     {"dispatch_gemm1_graph", JsmDispatchGemm1GraphRocm},

@@ -1,10 +1,12 @@
-// XLA FFI handlers of the Stage1 custom calls on the ROCm platform (HIP streams): the argument,
-// result and attribute lists of ffi/signatures.h, as on CUDA. The stages ROCm shares with CUDA are
-// ffi/gpu_handlers.h (their kernels: kernels/common/gpu_stages.cuh, compiled for HIP by
-// kernels/rocm/stages.hip); engine sdma's dispatch is kernels/rocm/sdma; GEMM1 and the fused
-// dispatch + GEMM1 call the FlyDSL kernels (kernels/rocm/gemm1.h), built only with JSM_ROCM_FLYDSL.
+// XLA FFI handlers of the custom calls on the ROCm platform (HIP streams): the argument, result and
+// attribute lists of ffi/signatures.h, as on CUDA. The stages ROCm shares with CUDA are
+// ffi/gpu_handlers.h (their kernels: kernels/common/gpu_stages.cuh and gpu_stage2.cuh, compiled
+// for HIP by kernels/rocm/stages.hip and stage2.hip); engine sdma's dispatch and combine are
+// kernels/rocm/sdma; GEMM2 is the generic kernel of gpu_stage2.h; GEMM1 and the fused dispatch +
+// GEMM1 call the FlyDSL kernels (kernels/rocm/gemm1.h), built only with JSM_ROCM_FLYDSL.
 #include <hip/hip_runtime_api.h>
 
+#include <optional>
 #include <string>
 
 #include "ffi/gpu_handlers.h"
@@ -33,7 +35,33 @@ struct RocmEngines {
                               const jsm::DispatchOptions& opt) {
     return jsm::sdma::dispatch(stream, g, send, out, opt);
   }
+  static constexpr const char* kServesCombine = kServes;
+  static bool serves_combine(EngineId e) { return serves(e); }
+  static std::string combine(void* stream, const jsm::CombineView& in, int32_t* row_of,
+                             const jsm::DispatchOptions& opt) {
+    return jsm::sdma::combine(stream, in, row_of, opt);
+  }
 };
+
+// GEMM2 on ROCm: the generic kernel of kernels/common/gpu_stage2.h (a correctness path; a FlyDSL
+// GEMM2 from GEMM1's kernel is not built yet), after y's padding rows are zeroed. Like CUDA's, it
+// takes MX-fp8 rows of h (jsm.stage2 quantises bf16 h first on every platform).
+ffi::Error Gemm2Impl(hipStream_t stream, ffi::AnyBuffer h, S32Vec expert_offsets,
+                     S32Vec expert_counts, ffi::AnyBuffer w_values, ffi::AnyBuffer w_scales,
+                     std::optional<ffi::AnyBuffer> h_scales, ffi::Result<ffi::AnyBuffer> y,
+                     int64_t /*tile_tokens: CUDA's bf16 kernel only*/) {
+  JSM_RETURN_IF_ERROR(jsm::gpu_handlers::check_gemm2("ROCm", h, w_values, h_scales, *y));
+  const auto wd = w_values.dimensions();  // [EL, H, I]
+  using jsm::handler::ptr;
+  const jsm::gpu::Gemm2Rows g{ptr<uint8_t>(h), ptr<uint8_t>(*h_scales), expert_offsets.typed_data(),
+                              expert_counts.typed_data(), ptr<uint8_t>(w_values),
+                              ptr<uint8_t>(w_scales), int(wd[0]), wd[1], wd[2],
+                              jsm::handler::rows_of(h), static_cast<uint16_t*>(y->untyped_data())};
+  jsm::gpu::launch_zero_padding_rows(g.offsets, g.counts, g.EL, g.m_cap, g.N * 2,
+                                     reinterpret_cast<uint8_t*>(g.y), nullptr, 0, stream);
+  jsm::gpu::launch_generic_gemm2(g, stream);
+  return jsm::gpu_handlers::last_error("gemm2 (ROCm)");
+}
 
 #ifdef JSM_ROCM_FLYDSL
 using jsm::handler::check_dtype;
@@ -108,6 +136,9 @@ ffi::Error DispatchGemm1Impl(hipStream_t stream, ffi::AnyBuffer values, ffi::Any
 }  // namespace
 
 JSM_DEFINE_GPU_HANDLERS(Rocm, Stream, RocmEngines);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmGemm2Rocm, Gemm2Impl,
+                              jsm::sig::gemm2(ffi::Ffi::Bind().Ctx<Stream>()));
 
 #ifdef JSM_ROCM_FLYDSL
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmGemm1Rocm, Gemm1Impl,

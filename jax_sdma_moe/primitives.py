@@ -124,10 +124,11 @@ def _aval(shape, dtype):
 
 
 def _make(stage: str, abstract_eval, attrs=lambda params: {}, graph_target: bool = False,
-          cuda_workspace=None):
+          gpu_workspace=None, workspace_platforms=("cuda",)):
   """The primitive of one stage. attrs(params) -> the FFI attributes of a lowering.
-  cuda_workspace(*avals_in, **params) -> ((shape, dtype), ...): results the CUDA handler writes as
-  scratch after the primitive's own, allocated by XLA and dropped at lowering."""
+  gpu_workspace(*avals_in, **params) -> ((shape, dtype), ...): results the GPU handler writes as
+  scratch after the primitive's own, allocated by XLA and dropped at lowering, on the platforms
+  of workspace_platforms."""
   prim = Primitive(TARGET_PREFIX + stage)
   prim.multiple_results = True
   prim.def_abstract_eval(abstract_eval)
@@ -142,13 +143,13 @@ def _make(stage: str, abstract_eval, attrs=lambda params: {}, graph_target: bool
   def lowering(ctx, *args, **params):
     return rules[bool(params.get("graph", False))](ctx, *args, **attrs(params))
 
-  def cuda_lowering(ctx, *args, **params):
-    extra = tuple(_aval(shape, dtype) for shape, dtype in cuda_workspace(*ctx.avals_in, **params))
+  def workspace_lowering(ctx, *args, **params):
+    extra = tuple(_aval(shape, dtype) for shape, dtype in gpu_workspace(*ctx.avals_in, **params))
     ctx_ws = ctx.replace(avals_out=(*ctx.avals_out, *extra))
     return lowering(ctx_ws, *args, **params)[:len(ctx.avals_out)]
 
   for platform in LOWERING_PLATFORMS:
-    rule = cuda_lowering if cuda_workspace and platform == "cuda" else lowering
+    rule = workspace_lowering if gpu_workspace and platform in workspace_platforms else lowering
     mlir.register_lowering(prim, rule, platform=platform)
   return prim
 
@@ -243,7 +244,7 @@ def _gemm1_abstract(values, scales, offsets, counts, w_values, w_scales, *, opti
 
 
 _gemm1_p = _make("gemm1", _gemm1_abstract, lambda p: {"gemm1": p["options"].ffi_attr()},
-                 cuda_workspace=lambda values, scales, offsets, counts, w_values, w_scales, **_:
+                 gpu_workspace=lambda values, scales, offsets, counts, w_values, w_scales, **_:
                  gemm1_workspace(values.shape[0], values.shape[1], w_values.shape[1] // 2,
                                  w_values.shape[0]))
 
@@ -271,7 +272,7 @@ _dispatch_gemm1_p = _make(
     "dispatch_gemm1", _dispatch_gemm1_abstract,
     lambda p: {"dispatch": p["options"].ffi_attr(), "gemm1": p["gemm1_options"].ffi_attr()},
     graph_target=True,
-    cuda_workspace=lambda values, scales, token, slot, weight, send_counts, rank, w_values,
+    gpu_workspace=lambda values, scales, token, slot, weight, send_counts, rank, w_values,
     w_scales, *, cap, **_: gemm1_workspace(cap, values.shape[1], w_values.shape[1] // 2,
                                            w_values.shape[0]))
 
@@ -292,7 +293,7 @@ _gemm2_p = _make(
     "gemm2", lambda h, offsets, counts, w_values, w_scales, *h_scales, tile_tokens: (
         _aval((h.shape[0], w_values.shape[1]), jnp.bfloat16),),
     lambda p: {"tile_tokens": np.int64(p["tile_tokens"])},
-    cuda_workspace=lambda h, offsets, counts, w_values, w_scales, *h_scales, **_: gemm2_workspace(
+    gpu_workspace=lambda h, offsets, counts, w_values, w_scales, *h_scales, **_: gemm2_workspace(
         h.shape[0], w_values.shape[1], w_values.shape[2], w_values.shape[0]))
 
 
@@ -312,7 +313,8 @@ _combine_p = _make(
     "combine", lambda rows, src_rank, token, slot, weight, rank, *, num_tokens, topk, options: (
         _aval((num_tokens, rows.shape[1]), jnp.bfloat16),),
     lambda p: {"dispatch": p["options"].ffi_attr(), "topk": np.int64(p["topk"])},
-    cuda_workspace=lambda *avals, num_tokens, topk, **_: combine_workspace(num_tokens, topk))
+    gpu_workspace=lambda *avals, num_tokens, topk, **_: combine_workspace(num_tokens, topk),
+    workspace_platforms=("cuda", "rocm"))  # both GPU handlers: gpu_handlers.h CombineImpl
 
 
 def combine(rows: jax.Array, src_rank: jax.Array, token: jax.Array, slot: jax.Array,

@@ -16,16 +16,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 class BenchLayerTest(absltest.TestCase):
 
-  def test_layer_on_cpu_devices(self):
+  def _run_on_cpu_devices(self, *flags):
+    """bench/run.py --layer on 8 CPU devices with `flags`: its JSON, stdout and output folder's
+    files by name."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     with tempfile.TemporaryDirectory() as out:
       p = subprocess.run(
           [sys.executable, os.path.join(ROOT, "bench", "run.py"), "--layer", "--platform", "cpu",
-           "--devices", "8", "--tokens", "16", "--iters", "2", "--warmup", "1", "--out", out],
-          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+           "--devices", "8", "--tokens", "16", "--iters", "2", "--warmup", "1", "--out", out,
+           *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
       self.assertEqual(p.returncode, 0, p.stdout[-2000:] + p.stderr[-3000:])
-      with open(os.path.join(out, "layer-cpu.json")) as f:
-        result = json.load(f)
+      files = {n: open(os.path.join(out, n)).read() for n in os.listdir(out)}
+    result = json.loads(files["layer-cpu.json"])
     self.assertEqual(result["meta"]["devices"], 8)
     rows = {r["path"]: r for r in result["results"]}
     self.assertEqual(set(rows), {"engine:cpu", "engine:xla", "native:layer(cf=1.25)"})
@@ -35,6 +37,18 @@ class BenchLayerTest(absltest.TestCase):
       self.assertGreater(row["median_ms"], 0, name)
     self.assertEqual(rows["engine:cpu"]["dropped"], 0)
     self.assertIn("native:layer(cf=1.25)", p.stdout)  # the table
+    return files
+
+  def test_layer_on_cpu_devices(self):
+    self._run_on_cpu_devices()
+
+  def test_layer_with_mxfp8_stage1_and_trace(self):
+    # each path checked against the reference of its own Stage1 output; --trace's tables written
+    # (CPU devices have no device streams: each path says so)
+    files = self._run_on_cpu_devices("--stage1-out", "mxfp8", "--trace")
+    trace = files["layer-cpu-trace.txt"]
+    for path in ("engine:cpu", "engine:xla", "native:layer(cf=1.25)"):
+      self.assertIn(f"[small T=16] {path}", trace)
 
   def test_layer_in_two_processes(self):
     with tempfile.TemporaryDirectory() as out:

@@ -56,6 +56,15 @@ class RocmLoweringTest(parameterized.TestCase):
     if engine == "sdma":  # the fused call carries engine sdma's id in its `dispatch` attribute
       self.assertIn(f"engine = {primitives.extension().ENGINE_IDS['sdma']}", text)
 
+  @parameterized.parameters(*[(e, d) for e in rocm_lower.ENGINES for d in ("bf16", "mxfp8")])
+  def test_moe_lowers_for_rocm(self, engine, out_dtype):
+    text, targets = rocm_lower.lower_stage1(engine, out_dtype, layer=True)
+    want = rocm_lower.ENGINES[engine][1] | rocm_lower.LAYER_TARGETS
+    self.assertLessEqual(want, set(targets), f"lowered targets: {targets}")
+    if engine == "sdma":  # the way back carries engine sdma's id too (its window set's combine)
+      self.assertGreaterEqual(
+          text.count(f"engine = {primitives.extension().ENGINE_IDS['sdma']}"), 2)
+
   def test_runtime_refuses_to_run_sdma_elsewhere(self):
     with self.assertRaisesRegex(ValueError, "runs on"):
       jsm.Runtime(_util.mesh(), "ep", jsm.Stage1Config(engine="sdma"))

@@ -29,7 +29,8 @@ import sysconfig
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGETS = {"gfx942": 0x04C, "gfx950": 0x04F}  # EF_AMDGPU_MACH_AMDGCN_GFX942 / _GFX950
 EM_AMDGPU = 224
-HIP_SOURCES = ["kernels/rocm/stages.hip", "kernels/rocm/sdma/engine.hip"]
+HIP_SOURCES = ["kernels/rocm/stages.hip", "kernels/rocm/stage2.hip", "kernels/rocm/sdma/engine.hip",
+               "kernels/rocm/sdma/combine.hip"]
 CC_SOURCES = ["ffi/module.cc", "ffi/cpu_handlers.cc", "kernels/cpu/dispatch.cc",
               "kernels/cpu/combine.cc", "kernels/cpu/window_table.cc",
               "ffi/rocm_handlers.cc", "kernels/rocm/sdma/windows.cc"]

@@ -1,6 +1,6 @@
-"""Lowers jax_sdma_moe.stage1 for platform "rocm" under shard_map with every engine that serves
-ROCm (local on one rank; xla and sdma across ranks), from a machine without an AMD GPU, and
-returns the custom-call targets of each lowered program.
+"""Lowers jax_sdma_moe.stage1 and the whole layer (jsm.moe) for platform "rocm" under shard_map
+with every engine that serves ROCm (local on one rank; xla and sdma across ranks), from a machine
+without an AMD GPU, and returns the custom-call targets of each lowered program.
 
     python tools/rocm_lower.py [--register]
 
@@ -30,19 +30,26 @@ ENGINES = {
     "xla": (8, {"jsm_route", "jsm_qpack", "jsm_gemm1", "jsm_check_overflow", "ragged_all_to_all"}),
     "sdma": (8, {"jsm_route", "jsm_qpack", "jsm_dispatch_gemm1_graph", "jsm_check_overflow"}),
 }
+# and what jsm.moe adds to them (Stage2: GEMM2, the way back and its sum)
+LAYER_TARGETS = {"jsm_gemm2", "jsm_combine"}
 
 
-def lower_stage1(engine: str, out_dtype: str = "bf16", shape: str = "small", tokens: int = 64):
-  """The StableHLO text of stage1 with `engine` lowered for ROCm, and its custom-call targets."""
+def lower_stage1(engine: str, out_dtype: str = "bf16", shape: str = "small", tokens: int = 64,
+                 layer: bool = False):
+  """The StableHLO text of stage1 (layer: of jsm.moe) with `engine` lowered for ROCm, and its
+  custom-call targets."""
   R = ENGINES[engine][0]
   s = jsm.SHAPES[shape]
   mesh = jax.make_mesh((R,), ("ep",), devices=jax.devices()[:R])
   cfg = jsm.Stage1Config(engine=engine, out_dtype=out_dtype, swiglu_limit=s.swiglu_limit)
   rt = jsm.Runtime(mesh, "ep", cfg, lowering_platform="rocm")
 
-  def body(x, ids, weights, w_values, w_scales):
-    out = jsm.stage1(x, (ids, weights), jsm.QuantizedW1(w_values, w_scales), runtime=rt,
+  def body(x, ids, weights, w_values, w_scales, w2_values, w2_scales):
+    w1q = jsm.QuantizedW1(w_values, w_scales)
+    if layer:
+      return jsm.moe(x, (ids, weights), w1q, jsm.QuantizedW2(w2_values, w2_scales), runtime=rt,
                      check=True)
+    out = jsm.stage1(x, (ids, weights), w1q, runtime=rt, check=True)
     return jax.tree.map(lambda a: a[None], out)
 
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
@@ -50,7 +57,8 @@ def lower_stage1(engine: str, out_dtype: str = "bf16", shape: str = "small", tok
   T, H, I, E, K = tokens, s.hidden, s.intermediate, s.num_experts, s.topk
   args = [jax.ShapeDtypeStruct(shp, dt, sharding=spec) for shp, dt in [
       ((R * T, H), jnp.bfloat16), ((R * T, K), jnp.int32), ((R * T, K), jnp.float32),
-      ((E, 2 * I, H), jnp.float8_e4m3fn), ((E, 2 * I, H // 32), jnp.uint8)]]
+      ((E, 2 * I, H), jnp.float8_e4m3fn), ((E, 2 * I, H // 32), jnp.uint8),
+      ((E, H, I), jnp.float8_e4m3fn), ((E, H, I // 32), jnp.uint8)]]
   text = f.trace(*args).lower(lowering_platforms=("rocm",)).as_text()
   rt.close()
   return text, sorted(set(re.findall(r"stablehlo\.custom_call @([A-Za-z0-9_]+)", text))
@@ -78,7 +86,8 @@ def main():
   if args.register:
     stages, flydsl = register_rocm_targets()
     print(f"registered for ROCM: {', '.join('jsm_' + s for s in stages)}")
-    want = {"quantize", "route", "qpack", "pack", "dispatch", "dispatch_graph", "check_overflow"}
+    want = {"quantize", "route", "qpack", "pack", "dispatch", "dispatch_graph", "check_overflow",
+            "gemm2", "combine"}
     if flydsl:
       want |= {"gemm1", "dispatch_gemm1", "dispatch_gemm1_graph"}
     missing = want - set(stages)
@@ -90,13 +99,16 @@ def main():
   failed = []
   for engine, (R, want) in ENGINES.items():
     for out_dtype in ("bf16", "mxfp8"):
-      _, targets = lower_stage1(engine, out_dtype)
-      print(f"stage1 for rocm, engine {engine} (R = {R}, h {out_dtype}): {', '.join(targets)}")
-      if not want <= set(targets):
-        failed.append(f"{engine}/{out_dtype}: missing {sorted(want - set(targets))}")
+      for layer in (False, True):
+        what = "moe" if layer else "stage1"
+        _, targets = lower_stage1(engine, out_dtype, layer=layer)
+        print(f"{what} for rocm, engine {engine} (R = {R}, h {out_dtype}): {', '.join(targets)}")
+        need = want | (LAYER_TARGETS if layer else set())
+        if not need <= set(targets):
+          failed.append(f"{what} {engine}/{out_dtype}: missing {sorted(need - set(targets))}")
   if failed:
     raise SystemExit("lowering for rocm: " + "; ".join(failed))
-  print("lowered stage1 for rocm with engines " + ", ".join(ENGINES))
+  print("lowered stage1 and moe for rocm with engines " + ", ".join(ENGINES))
 
 
 if __name__ == "__main__":

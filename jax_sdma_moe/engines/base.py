@@ -77,7 +77,7 @@ class Engine:
   def combine_not_built(cls) -> NotImplementedError:
     return NotImplementedError(
         f"engine {cls.name!r} has no combine yet, so jsm.stage2 and jsm.moe cannot run with it "
-        f"({STAGE2_ON_GPUS_ISSUE}); engines with a combine: cpu, local, xla, sm, ce")
+        f"({STAGE2_ON_GPUS_ISSUE}); engines with a combine: cpu, local, xla, sm, ce, sdma")
 
   def check(self) -> None:
     """Raises if a bounded wait of an earlier call ran out (engines with device-side waits)."""

@@ -2,12 +2,14 @@
 kernel through mori's CCO device API, between symmetric windows of mori communicators, with the
 plan, epochs and bounded waits of the CUDA window engines (kernels/rocm/sdma/window.h); GEMM1 runs
 fused, starting each expert as its rows land. No host step per call, so XLA may capture its calls
-in command buffers (HIP graphs).
+in command buffers (HIP graphs). Stage2's combine returns the rows by CU stores (engine sm's way
+back) and GEMM2 is a generic kernel: the layer is complete, not yet fast.
 
 Built, compiled for gfx942 and gfx950, and lowered; never run on AMD hardware (DESIGN.md §6)."""
 from __future__ import annotations
 
 from .. import primitives
+from .base import FfiDispatchEngine
 from .windows import WindowEngine
 
 
@@ -15,6 +17,9 @@ class SdmaEngine(WindowEngine):
   name = "sdma"
   platforms = ("rocm",)
   graph_capturable = True
+  # the way back: the CUs store each row at (token, slot) of its source's return slot through the
+  # LSA mapping, engine sm's protocol and kernels (kernels/rocm/sdma/combine.hip)
+  combine = FfiDispatchEngine.combine
 
   @classmethod
   def check_mesh(cls, runtime):

@@ -94,7 +94,7 @@ class WindowEngine(FfiDispatchEngine):
         gemm1_options=gemm1_options(self.config, send, send_counts),
         graph=self.graph_capturable)
 
-  # the window engines' combine is built for engines sm and ce (DESIGN.md §6): Engine.combine's
+  # the window engines' combine is built for engines sm, ce and sdma (DESIGN.md §6): Engine.combine's
   # error for the others
   combine = Engine.combine
 

@@ -56,10 +56,30 @@ __device__ __forceinline__ int shfl_up(int v, int delta) {
 __device__ __forceinline__ void syncwarp() { __syncwarp(); }
 #endif
 
-// The sum of v over the wave, in every lane.
-__device__ __forceinline__ int wave_sum(int v) {
+#ifdef JSM_GPU_HIP
+__device__ __forceinline__ float shfl_xor(float v, int lane_mask) { return __shfl_xor(v, lane_mask); }
+#else
+__device__ __forceinline__ float shfl_xor(float v, int lane_mask) {
+  return __shfl_xor_sync(0xFFFFFFFFu, v, lane_mask);
+}
+#endif
+
+// The sum of v over the wave (int, or float in a butterfly order), in every lane.
+template <class T>
+__device__ __forceinline__ T wave_sum(T v) {
   for (int o = kWarp / 2; o; o >>= 1) v += shfl_xor(v, o);
   return v;
+}
+
+// Lets `kernel` take `bytes` of dynamic shared memory (beyond the default 48 KB on CUDA).
+template <class Kernel>
+inline Error allow_dynamic_smem(Kernel kernel, size_t bytes) {
+#ifdef JSM_GPU_HIP
+  return hipFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                             hipFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+#else
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+#endif
 }
 #endif
 

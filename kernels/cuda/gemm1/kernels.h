@@ -37,10 +37,6 @@ constexpr int kBf16TileCols = 128, kTmaXBoxRows = 16;
 void launch_sm90_mx_bf16_rs(const Gemm1Args& g, const Bf16RsMaps& maps, int grid,
                             cudaStream_t stream, bool swiglu, int tile_tokens);
 
-// generic_gemm2.cu: GEMM2 where the bf16 kernel does not apply: one block per landed row, its
-// dequantised row in shared memory (g.H floats), float32 dot products with each w2 row.
-void launch_generic_gemm2(const Gemm1Args& g, cudaStream_t stream);
-
 // sm80_mma.cu: mma.sync with cp.async stages (any H % 32 == 0).
 void launch_sm80_mma(const Gemm1Args& g, int grid, cudaStream_t stream);
 

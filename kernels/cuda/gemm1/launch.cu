@@ -5,6 +5,7 @@
 
 #include "kernels/cuda/gemm1/kernels.h"
 #include "kernels/cuda/launch_util.h"
+#include "kernels/common/gpu_stage2.h"
 #include "kernels/common/gpu_stages.h"
 
 namespace jsm {
@@ -116,8 +117,9 @@ std::string launch_gemm2(Gemm1Args g, int grid, cudaStream_t stream, int64_t til
       aligned16(g.a)) {
     err = launch_bf16_route(g, int64_t(g.EL) * g.I, grid, stream, /*swiglu=*/false, tile_tokens);
     if (!err.empty()) return err;
-  } else {
-    launch_generic_gemm2(g, stream);
+  } else {  // the correctness path (kernels/common/gpu_stage2.h), shared with ROCm
+    gpu::launch_generic_gemm2({g.a, g.a_scales, g.offsets, g.counts, g.w, g.w_scales, g.EL, g.I,
+                               g.H, g.m_cap, g.h_bf16}, stream);
   }
   return last_error("gemm2");
 }

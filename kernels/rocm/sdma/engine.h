@@ -54,5 +54,11 @@ std::string dispatch(void* stream, const DispatchGeometry& g, const SendView& se
                      const LandedView& out, const DispatchOptions& opt, GemmLaunch gemm = nullptr,
                      void* gemm_ctx = nullptr);
 
+// Stage2's way back for the rank whose device is current (combine.hip; protocol: the way back of
+// kernels/common/ep_window.h): each row of `in` to its source's return slot, then y of this
+// rank's tokens, on `stream`, with no host step. "" or an error.
+std::string combine(void* stream, const CombineView& in, int32_t* row_of,
+                    const DispatchOptions& opt);
+
 }  // namespace sdma
 }  // namespace jsm

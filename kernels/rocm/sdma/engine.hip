@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "kernels/common/gpu_layout.cuh"
+#include "kernels/common/gpu_sys.cuh"
 #include "kernels/rocm/sdma/engine.h"
 #include "kernels/rocm/sdma/puts.h"
 #include "kernels/rocm/sdma/state.h"
@@ -22,25 +23,12 @@ namespace {
 
 using gpu::kWarp;
 
-__device__ __forceinline__ uint32_t load_acquire_sys(const uint32_t* p) {
-  return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
-}
-__device__ __forceinline__ void store_release_sys(uint32_t* p, uint32_t v) {
-  __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
-}
+using gpu::ld_acquire_sys;
+using gpu::record_wait_error;
+
 __device__ __forceinline__ uint32_t call_epoch(const SdmaArgs& a) {
   return *static_cast<volatile const uint32_t*>(at<uint32_t>(a.peers.base[a.rank],
                                                              a.L.ep.epoch_counter));
-}
-
-// Records the first expired wait (the code is written last, after a system fence).
-__device__ void record_wait_error(EpError* err, uint32_t code, uint32_t peer, uint32_t expert,
-                                  uint32_t epoch) {
-  volatile EpError* e = err;
-  if (e->code != 0) return;
-  e->peer = peer, e->expert = expert, e->epoch = epoch;
-  __threadfence_system();
-  e->code = code;
 }
 
 // The first kernel of a call (not of an absent rank's): the epoch, and the headers of the rows
@@ -74,7 +62,7 @@ __global__ void sdma_layout_kernel(const SdmaArgs a, LandedView out, bool absent
       bool ok = true;
       int missing = -1;
       for (int s = threadIdx.x; s < R; s += blockDim.x)
-        if (!epoch_reached(load_acquire_sys(flags + s), epoch)) ok = false, missing = s;
+        if (!epoch_reached(ld_acquire_sys(flags + s), epoch)) ok = false, missing = s;
       if (__syncthreads_and(ok)) {
         plan_ok = true;
         break;
@@ -119,17 +107,20 @@ __global__ void sdma_rows_kernel(const SdmaArgs a, LandedView out, bool absent, 
   for (int e = threadIdx.x; e < EL; e += blockDim.x)
     offsets[e] = out.expert_offsets[e], counts[e] = out.expert_counts[e];
   if (!absent) {
-    // a wait of this call already ran out (the plan): the call is failed, don't wait again
-    const bool failed =
-        __syncthreads_or(threadIdx.x == 0 && static_cast<volatile EpError*>(a.err)->code != 0);
     const uint32_t* flags = at<const uint32_t>(own, a.L.ep.seg_flag[p]);
     const uint64_t deadline = wall_clock64() + a.timeout_ticks;
-    for (;;) {
-      bool ok = !failed;
+    for (bool first = true;; first = false) {
+      bool ok = true;
       int missing = -1;
-      for (int i = threadIdx.x; i < R * EL && !failed && threadIdx.x < kWarp; i += kWarp)
-        if (!epoch_reached(load_acquire_sys(flags + i), epoch)) ok = false, missing = i;
-      if (__syncthreads_and(ok) || failed) break;
+      for (int i = threadIdx.x; i < R * EL && threadIdx.x < kWarp; i += kWarp)
+        if (!epoch_reached(ld_acquire_sys(flags + i), epoch)) ok = false, missing = i;
+      if (__syncthreads_and(ok)) break;
+      // not all there: if a wait of this call already ran out (the plan's), the call is failed,
+      // so don't wait again. Read only here: the error word is host memory (CUDA's
+      // ep_rows_kernel lost ~0.5 ms per call to every block reading it first)
+      if (first && __syncthreads_or(threadIdx.x == 0 &&
+                                    static_cast<volatile EpError*>(a.err)->code != 0))
+        break;
       if (__syncthreads_or(threadIdx.x == 0 && uint64_t(wall_clock64()) > deadline)) {
         if (missing >= 0) record_wait_error(a.err, 2, missing % R, missing / R, epoch);
         break;
@@ -160,14 +151,6 @@ __global__ void sdma_rows_kernel(const SdmaArgs a, LandedView out, bool absent, 
       out.weight[r] = h.weight;
     }
   }
-}
-
-LocalRank* rank_on_current_device(WindowSet& w) {
-  int dev = -1;
-  (void)hipGetDevice(&dev);
-  for (auto& l : w.local)
-    if (l.device == dev) return &l;
-  return nullptr;
 }
 
 }  // namespace

@@ -43,6 +43,15 @@ std::shared_ptr<WindowSet> find_set(int64_t id);
 // "" or the error a bounded wait recorded for this rank, naming rank, peer and epoch.
 std::string describe(const LocalRank& me);
 
+// The rank of the set that lives on the current HIP device, or null.
+inline LocalRank* rank_on_current_device(WindowSet& w) {
+  int dev = -1;
+  (void)hipGetDevice(&dev);
+  for (auto& l : w.local)
+    if (l.device == dev) return &l;
+  return nullptr;
+}
+
 #define JSM_HIP_TRY(what, expr)                                                            \
   do {                                                                                     \
     hipError_t _e = (expr);                                                                \

@@ -26,6 +26,10 @@
 //      §4 layout; the fused GEMM (gated per expert on seg_flag[p][e][*] >= n), or nothing;
 //      sdma_rows_kernel waits (bounded) for every flag of slot p and writes the row headers (and
 //      the rows, unless the GEMM read them from the slot); the side stream is joined.
+// The way back (Stage2's combine, kernels/rocm/sdma/combine.hip) uses the return regions of the
+// landing window and the protocol of ep_window.h with engine sm's kernels
+// (kernels/common/ep_return.cuh): the CUs store each row at its (token, slot) of its source's
+// return slot through the LSA mapping, not the SDMA queues.
 #pragma once
 
 #include <stdint.h>
@@ -47,7 +51,7 @@ struct SdmaWindowLayout {
 
 inline SdmaWindowLayout sdma_window_layout(const DispatchGeometry& g) {
   SdmaWindowLayout w{};
-  w.ep = ep_window_layout(g);
+  w.ep = ep_window_layout(g, /*with_return=*/true);  // the combine's (ep_window.h)
   int64_t off = w.ep.bytes;
   auto take = [&off](int64_t bytes) {
     const int64_t at = off;
