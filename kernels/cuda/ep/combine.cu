@@ -69,27 +69,22 @@ namespace ep {
 
 std::string combine(void* stream, const CombineView& in, int32_t* row_of,
                     const DispatchOptions& opt) {
-  auto w = find_set(opt.window_set);
-  if (!w) return "jax_sdma_moe combine: unknown or closed Runtime window set (" +
-                 std::to_string(opt.window_set) + ")";
-  if (w->engine != opt.engine)
-    return std::string("jax_sdma_moe combine: a call of engine ") + engine_name(opt.engine) +
-           " on a window set of engine " + engine_name(w->engine);
-  if (!w->connected) return "jax_sdma_moe combine: the Runtime's windows are not connected";
+  std::string err;
+  auto w = call_window_set(opt, "combine", &err);
+  if (!w) return err;
   if (w->L.ret_rows[0] == 0 && w->g.send_rows > 0)
     return "jax_sdma_moe combine: the window set has no return regions";
   if (in.H != w->g.H || in.m_cap != w->g.m_cap || in.T * in.K != w->g.send_rows)
     return "jax_sdma_moe combine: the call's shapes differ from its window set's (H " +
            std::to_string(in.H) + ", M_cap " + std::to_string(in.m_cap) + ", T*K " +
            std::to_string(in.T * in.K) + ")";
-  if (in.H % gpu::kSumCols != 0) return "jax_sdma_moe combine: H must be a multiple of 8";
   const bool ce = w->engine == EngineId::kCe;
   if (ce && !row_of && in.T * in.K > 0)
     return "jax_sdma_moe combine (ce): no (token, slot) index workspace";
   LocalRank* me = rank_on_current_device(*w);
   if (!me) return "jax_sdma_moe combine: no rank of this Runtime lives on the current device";
   me->timeout_s = opt.timeout_s;
-  std::string err = describe(*me);
+  err = describe(*me);
   if (!err.empty()) return err;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   if (opt.fault_absent_rank == me->rank) {  // takes no part: its tokens get zeros

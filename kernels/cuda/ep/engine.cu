@@ -60,13 +60,9 @@ void read_marks(LocalRank& l, bool first_chunk) {
 std::string dispatch(void* stream, const DispatchGeometry& g, const SendView& send,
                      const LandedView& out, const DispatchOptions& opt, GemmLaunch gemm,
                      void* gemm_ctx) {
-  auto w = find_set(opt.window_set);
-  if (!w) return "jax_sdma_moe dispatch: unknown or closed Runtime window set (" +
-                 std::to_string(opt.window_set) + ")";
-  if (w->engine != opt.engine)
-    return std::string("jax_sdma_moe dispatch: a call of engine ") + engine_name(opt.engine) +
-           " on a window set of engine " + engine_name(w->engine);
-  if (!w->connected) return "jax_sdma_moe dispatch: the Runtime's windows are not connected";
+  std::string err;
+  auto w = call_window_set(opt, "dispatch", &err);
+  if (!w) return err;
   if (g.R != w->g.R || g.EL != w->g.EL || g.H != w->g.H || g.m_cap != w->g.m_cap ||
       g.send_rows != w->g.send_rows)
     return "jax_sdma_moe dispatch: the call's shapes differ from its window set's";
@@ -79,7 +75,7 @@ std::string dispatch(void* stream, const DispatchGeometry& g, const SendView& se
            "cannot run inside a CUDA graph; use engine 'sm' there";
   me->timeout_s = opt.timeout_s;
   read_marks(*me, w->engine == EngineId::kCe);
-  std::string err = describe(*me);
+  err = describe(*me);
   if (!err.empty()) return err;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
 

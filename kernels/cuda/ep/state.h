@@ -67,6 +67,24 @@ struct WindowSet {
 // The registered set `id`, or null (windows.cu).
 std::shared_ptr<WindowSet> find_set(int64_t id);
 
+// The window set of a call (`what`: "dispatch", "combine"), checked to be registered, of the call's
+// engine and connected; null with *err set.
+inline std::shared_ptr<WindowSet> call_window_set(const DispatchOptions& opt, const char* what,
+                                                  std::string* err) {
+  auto w = find_set(opt.window_set);
+  const std::string call = std::string("jax_sdma_moe ") + what + ": ";
+  if (!w)
+    *err = call + "unknown or closed Runtime window set (" + std::to_string(opt.window_set) + ")";
+  else if (w->engine != opt.engine)
+    *err = call + "a call of engine " + engine_name(opt.engine) + " on a window set of engine " +
+           engine_name(w->engine);
+  else if (!w->connected)
+    *err = call + "the Runtime's windows are not connected";
+  else
+    return w;
+  return nullptr;
+}
+
 inline LocalRank* rank_on_current_device(WindowSet& w) {
   int dev = -1;
   cudaGetDevice(&dev);

@@ -19,9 +19,9 @@ namespace sdma {
 
 std::string combine(void* stream, const CombineView& in, int32_t* /*row_of: by position only*/,
                     const DispatchOptions& opt) {
-  auto w = find_set(opt.window_set);
-  if (!w) return "jax_sdma_moe combine: unknown or closed Runtime window set (" +
-                 std::to_string(opt.window_set) + ")";
+  std::string err;
+  auto w = call_window_set(opt.window_set, "combine", &err);
+  if (!w) return err;
   if (in.H != w->g.H || in.m_cap != w->g.m_cap || in.T * in.K != w->g.send_rows)
     return "jax_sdma_moe combine: the call's shapes differ from its window set's (H " +
            std::to_string(in.H) + ", M_cap " + std::to_string(in.m_cap) + ", T*K " +
@@ -29,7 +29,7 @@ std::string combine(void* stream, const CombineView& in, int32_t* /*row_of: by p
   LocalRank* me = rank_on_current_device(*w);
   if (!me) return "jax_sdma_moe combine: no rank of this Runtime lives on the current device";
   me->timeout_s = opt.timeout_s;
-  std::string err = describe(*me);
+  err = describe(*me);
   if (!err.empty()) return err;
   hipStream_t st = static_cast<hipStream_t>(stream);
   if (opt.fault_absent_rank == me->rank) {  // takes no part: its tokens get zeros

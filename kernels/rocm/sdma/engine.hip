@@ -158,16 +158,16 @@ __global__ void sdma_rows_kernel(const SdmaArgs a, LandedView out, bool absent, 
 std::string dispatch(void* stream, const DispatchGeometry& g, const SendView& send,
                      const LandedView& out, const DispatchOptions& opt, GemmLaunch gemm,
                      void* gemm_ctx) {
-  auto w = find_set(opt.window_set);
-  if (!w) return "jax_sdma_moe dispatch: unknown or closed Runtime window set (" +
-                 std::to_string(opt.window_set) + ")";
+  std::string err;
+  auto w = call_window_set(opt.window_set, "dispatch", &err);
+  if (!w) return err;
   if (g.R != w->g.R || g.EL != w->g.EL || g.H != w->g.H || g.m_cap != w->g.m_cap ||
       g.send_rows != w->g.send_rows)
     return "jax_sdma_moe dispatch: the call's shapes differ from its window set's";
   LocalRank* me = rank_on_current_device(*w);
   if (!me) return "jax_sdma_moe dispatch: no rank of this Runtime lives on the current device";
   me->timeout_s = opt.timeout_s;
-  std::string err = describe(*me);
+  err = describe(*me);
   if (!err.empty()) return err;
   hipStream_t st = static_cast<hipStream_t>(stream);
   const SdmaWindowLayout& L = w->L;

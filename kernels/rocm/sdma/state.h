@@ -43,6 +43,15 @@ std::shared_ptr<WindowSet> find_set(int64_t id);
 // "" or the error a bounded wait recorded for this rank, naming rank, peer and epoch.
 std::string describe(const LocalRank& me);
 
+// The window set of a call (`what`: "dispatch", "combine"); null with *err set.
+inline std::shared_ptr<WindowSet> call_window_set(int64_t id, const char* what, std::string* err) {
+  auto w = find_set(id);
+  if (!w)
+    *err = std::string("jax_sdma_moe ") + what + ": unknown or closed Runtime window set (" +
+           std::to_string(id) + ")";
+  return w;
+}
+
 // The rank of the set that lives on the current HIP device, or null.
 inline LocalRank* rank_on_current_device(WindowSet& w) {
   int dev = -1;
