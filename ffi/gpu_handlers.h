@@ -276,9 +276,9 @@ inline ffi::Error CheckOverflowImpl(gpu::Stream stream, S32Scalar overflow, S32S
 
 // Defines the shared handlers' symbols of platform P (Cuda, Rocm) for its stream context and
 // window engines: JsmQuantizeP, JsmRouteP, JsmQpackP, JsmPackP, JsmDispatchP, JsmCheckOverflowP,
-// JsmCombineP, and JsmDispatchGraphP — the dispatch registered as command-buffer compatible, for the engines
-// with no host step per call (sm, sdma: their epoch lives on the device), so XLA may capture
-// them in CUDA / HIP graphs.
+// JsmCombineP, and JsmDispatchGraphP — the dispatch registered as command-buffer compatible, for
+// the engines with no host step per call (sm, sdma: their epoch lives on the device), so XLA may
+// capture them in CUDA / HIP graphs.
 #define JSM_DEFINE_GPU_HANDLERS(P, STREAM, ENGINES)                                           \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmQuantize##P, ::jsm::gpu_handlers::QuantizeImpl,            \
                                 ::jsm::sig::quantize(::xla::ffi::Ffi::Bind().Ctx<STREAM>()));  \
@@ -295,6 +295,7 @@ inline ffi::Error CheckOverflowImpl(gpu::Stream stream, S32Scalar overflow, S32S
                                 ::jsm::sig::dispatch(::xla::ffi::Ffi::Bind().Ctx<STREAM>()),   \
                                 {::xla::ffi::Traits::kCmdBufferCompatible});                  \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmCheckOverflow##P, ::jsm::gpu_handlers::CheckOverflowImpl,  \
-                                ::jsm::sig::check_overflow(::xla::ffi::Ffi::Bind().Ctx<STREAM>())); \
+                                ::jsm::sig::check_overflow(                                   \
+                                    ::xla::ffi::Ffi::Bind().Ctx<STREAM>()));                  \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmCombine##P, ::jsm::gpu_handlers::CombineImpl<ENGINES>,     \
                                 ::jsm::sig::combine<true>(::xla::ffi::Ffi::Bind().Ctx<STREAM>()))

@@ -14,7 +14,8 @@ inline std::string describe_wait_error(const EpError& e, int rank, double timeou
   const std::string what = e.code == 1   ? "the plan (send counts)"
                            : e.code == 3 ? "the rows it returns (combine)"
                                          : "the rows of local expert " + std::to_string(e.expert);
-  return std::string("jax_sdma_moe ") + (e.code == 3 ? "combine" : "dispatch") + ": rank " + std::to_string(rank) + " timed out after " +
+  return std::string("jax_sdma_moe ") + (e.code == 3 ? "combine" : "dispatch") + ": rank " +
+         std::to_string(rank) + " timed out after " +
          std::to_string(timeout_s) + " s waiting for " + what + " from peer rank " +
          std::to_string(e.peer) + " (epoch " + std::to_string(e.epoch) +
          "); the peer did not arrive. The Runtime's windows are now out of step: create a new "

@@ -57,7 +57,9 @@ __device__ __forceinline__ void syncwarp() { __syncwarp(); }
 #endif
 
 #ifdef JSM_GPU_HIP
-__device__ __forceinline__ float shfl_xor(float v, int lane_mask) { return __shfl_xor(v, lane_mask); }
+__device__ __forceinline__ float shfl_xor(float v, int lane_mask) {
+  return __shfl_xor(v, lane_mask);
+}
 #else
 __device__ __forceinline__ float shfl_xor(float v, int lane_mask) {
   return __shfl_xor_sync(0xFFFFFFFFu, v, lane_mask);
