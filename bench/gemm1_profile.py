@@ -24,11 +24,11 @@ p.add_argument("tokens", nargs="?", type=int, default=4096)
 p.add_argument("--row-align", type=int, default=128)
 p.add_argument("--rows", help="rows (or TxR) as bench/run.py --gemm1-rows, instead of TOKENS")
 p.add_argument("--experts", type=int, help="with --rows: local experts (default E/2)")
+p.add_argument("--tile-tokens", type=int, choices=layout.GEMM_TILE_TOKENS,
+               help="the bf16 kernel's tile (default: the library's choice by rows per expert)")
 a = p.parse_args()
 
 s = jsm.SHAPES[a.shape]
-options = primitives.Gemm1Options(swiglu_limit=s.swiglu_limit, out_dtype="bf16")
-gemm1 = jax.jit(lambda v, sc, o, c, w: primitives.gemm1(v, sc, o, c, w, options=options))
 
 
 def study_rows():
@@ -58,5 +58,11 @@ def dispatched_rows():
 
 
 landed, w1q, what = study_rows() if a.rows else dispatched_rows()
+rows_per_expert = float(np.asarray(landed[3]).sum()) / landed[3].shape[0]
+options = primitives.Gemm1Options(
+    swiglu_limit=s.swiglu_limit, out_dtype="bf16",
+    tile_tokens=layout.gemm_tile_tokens(rows_per_expert, a.tile_tokens))
+gemm1 = jax.jit(lambda v, sc, o, c, w: primitives.gemm1(v, sc, o, c, w, options=options))
+what += f", tile {options.tile_tokens}"
 h = jax.block_until_ready(gemm1(*landed, w1q))
 print(f"gemm1 done: {a.shape} {what}, h {h.shape} {h.dtype}")

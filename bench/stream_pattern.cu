@@ -70,6 +70,8 @@ int main() {
   cudaMemset(w, 1, NROWS * H);
   int sms;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  run<64, 8, false>(w, sms);  // gemm1's stages: 64 bytes of each row (KS)
+  run<64, 16, false>(w, sms);
   run<128, 4, false>(w, sms);
   run<128, 8, false>(w, sms);
   run<256, 4, false>(w, sms);

@@ -153,25 +153,27 @@ class CudaGemm1Test(parameterized.TestCase):
       out, landed = self.run_and_check_layout(s, cfg, f, x, ids, w, w1q)
       self.check_experts(out, landed, w1q, s.swiglu_limit, out_dtype, r)
 
-  @parameterized.parameters("bf16", "mxfp8")
-  def test_tile_widths_give_the_same_bytes(self, out_dtype):
-    """The bf16 GEMM's small and large tiles (Stage1Config.gemm_tile_tokens) on the same rows:
-    h byte for byte, and the small tile's against the reference. dsv3, 768 tokens: ~24 rows per
-    expert, so some experts fill more than one small tile and every large tile is mostly
-    padding."""
+  @parameterized.parameters(("bf16", "uniform", 768), ("mxfp8", "uniform", 768),
+                            ("bf16", "skewed", 800))
+  def test_tile_widths_give_the_same_bytes(self, out_dtype, routing, T):
+    """The bf16 GEMM's tiles (Stage1Config.gemm_tile_tokens) on the same rows: h byte for byte,
+    and the small tile's against the reference. dsv3, uniform, 768 tokens: ~24 rows per expert,
+    so some experts fill more than one small tile and every larger tile is mostly padding;
+    skewed, 800 tokens: eight experts of 800 rows, three full 256-token tiles and a part."""
     s = jsm.SHAPES["dsv3"]
     r = _util.rng()
-    x, ids, w = self.inputs(s, 768, "uniform", r)
+    x, ids, w = self.inputs(s, T, routing, r)
     w1q = self.w1q("dsv3")
     outs = {}
     for tile in jsm.layout.GEMM_TILE_TOKENS:
       cfg, f = local_stage1("dsv3", out_dtype, tile)
       outs[tile], landed = self.run_and_check_layout(s, cfg, f, x, ids, w, w1q)
-    large, small = (outs[t] for t in jsm.layout.GEMM_TILE_TOKENS)
+    small = outs[min(jsm.layout.GEMM_TILE_TOKENS)]
     self.assertGreater(int(np.max(np.asarray(small.expert_counts))),
                        min(jsm.layout.GEMM_TILE_TOKENS), "no expert spans two small tiles")
-    for a, b in zip(jax.tree.leaves(large.h), jax.tree.leaves(small.h)):
-      np.testing.assert_array_equal(_util.as_bytes(a), _util.as_bytes(b))
+    for tile, out in outs.items():
+      for a, b in zip(jax.tree.leaves(out.h), jax.tree.leaves(small.h)):
+        np.testing.assert_array_equal(_util.as_bytes(a), _util.as_bytes(b), err_msg=f"tile {tile}")
     self.check_experts(small, landed, w1q, s.swiglu_limit, out_dtype, r)
 
   def check_experts(self, out, landed, w1q, limit, out_dtype, r):
@@ -252,9 +254,6 @@ class CudaStage1Test(parameterized.TestCase):
       _util.check_stage1(self, out, ref, h32, "bf16")
 
 
-if __name__ == "__main__":
-  absltest.main()
-
 
 @absltest.skipIf(GPU is None, WHY or "")
 class CudaMoeTest(parameterized.TestCase):
@@ -263,6 +262,7 @@ class CudaMoeTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
       ("mid_uniform", _util.MID_LAYER, 256, "uniform", None),
+      ("mid_uniform_tile256", _util.MID_LAYER, 1024, "uniform", None),  # 256 rows per expert
       ("mid_skewed_limit", _util.MID_LAYER, 512, "skewed", 7.0),
       ("mid_masked", _util.MID_LAYER, 64, "masked", None),
       ("small_uniform", None, 128, "uniform", None),
@@ -272,3 +272,7 @@ class CudaMoeTest(parameterized.TestCase):
     H, I, E, K = dims or (s.hidden, s.intermediate, s.num_experts, s.topk)
     m = jax.sharding.Mesh(np.array([GPU]), ("ep",))
     _util.run_moe_on(self, m, "local", T, H, I, E, K, routing, limit)
+
+
+if __name__ == "__main__":
+  absltest.main()

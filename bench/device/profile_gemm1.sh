@@ -9,7 +9,7 @@ source "$(dirname "$0")/common.sh"
 take_options 240 "$@"
 build
 cd /tmp  # the installed package, not the checkout's sources
-step profile "$TIMEOUT" ncu --clock-control none -k regex:gemm1 --launch-count 1 --set full \
+step profile "$TIMEOUT" ncu --clock-control none -k regex:gemm_sm90 --launch-count 1 --set full \
   --import-source yes -f -o "$OUT/gemm1" python3 "$REPO/bench/gemm1_profile.py" "${ARGS[@]}"
 if [[ -f $OUT/gemm1.ncu-rep ]]; then
   ncu --import "$OUT/gemm1.ncu-rep" --page details > "$OUT/gemm1-details.txt" 2>&1

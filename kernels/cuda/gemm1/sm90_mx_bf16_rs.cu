@@ -109,14 +109,15 @@ __device__ __forceinline__ int weight_box_row(const Gemm1Args& g, const Tile& t,
 // An e4m3 byte b as bf16 bits (sext16(b) << 4) & 0x87F0 is b's value times 2^-120 exactly: the
 // sign in place, the exponent and mantissa in bf16's low exponent bits and top mantissa bits (e4m3
 // subnormals become bf16 subnormals). One multiply by 2^(e - 7) then gives value * 2^(e - 127), the
-// dequantised element. That factor is a bf16 for e <= 134 (blocks with amax below 448 * 2^7) and
-// for the NaN scale 0xFF; a stage with larger scales multiplies twice (2^120, then 2^(e - 127)).
-__device__ __forceinline__ bool fast_scale(uint32_t e) { return e <= 134 || e == 0xFF; }
+// dequantised element. That factor is a bf16 for e <= 134 (blocks with amax below 448 * 2^7); a
+// block with a larger scale or the NaN scale 0xFF multiplies twice (2^120, then 2^(e - 127) or NaN).
+__device__ __forceinline__ bool fast_scale(uint32_t e) { return e <= 134; }
 
-// (2^(e - 127) for e = 0 is a bf16 subnormal, 0x0040.)
+// The factor of scale byte e in both halves: one multiply-add in the one-step form (2^(e - 7): the
+// bf16 exponent field e + 120); 2^(e - 127) for e = 0 is a bf16 subnormal, 0x0040.
 __device__ __forceinline__ uint32_t factor_bf16x2(uint32_t e, bool slow) {
-  const uint32_t bits = e == 0xFF ? 0x7FC0u : !slow ? (e + 120) << 7 : e == 0 ? 0x0040u : e << 7;
-  return bits | bits << 16;
+  const uint32_t bits = !slow ? e * 128 + (120 << 7) : e == 0xFF ? 0x7FC0u : e == 0 ? 0x0040u : e << 7;
+  return bits * 0x10001u;
 }
 
 __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
@@ -307,43 +308,47 @@ __device__ __forceinline__ void fence_acc(float (&a)[M]) {
   for (int i = 0; i < M; ++i) asm volatile("" : "+f"(a[i])::"memory");
 }
 
-// Weight rows row_g = warp * 16 + g and row_g + 8 of the warpgroup's gate and up halves, block
-// blk: 8 fp8 bytes each (bytes 8 tig .. 8 tig + 7: word 0 is step 0, word 1 step 1), upcast by
-// factors e (their scale bytes).
+// The fragments of weight rows row_g = warp * 16 + g and row_g + 8 of the warpgroup's gate and up
+// halves, block blk, from their fp8 bytes v (8 each: word x is step 0, y step 1) and scale bytes e.
 template <bool kSlow>
-__device__ __forceinline__ void upcast_frags(Frags& f, uint32_t w_base, const uint32_t (&e)[2][2],
-                                             int cw, int row_g, int tig, int blk) {
-  const int c = blk * 2 + tig / 2, within = (tig & 1) * 8;
+__device__ __forceinline__ void upcast_frags(Frags& f, const uint2 (&v)[2][2],
+                                             const uint32_t (&e)[2][2]) {
 #pragma unroll
   for (int part = 0; part < 2; ++part) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int r = cw * 128 + part * 64 + row_g + 8 * h;
-      const uint2 v = lds64(w_base + r * KS + ((c ^ ((r >> 1) & 3)) << 4) + within);
       const uint32_t fac = factor_bf16x2(e[part][h], kSlow);
       // A registers: 0 = (row g, k 2tig..), 1 = (row g+8, k 2tig..), 2 = (row g, k 8+2tig..), 3
-      upcast4(v.x, fac, kSlow, f.r[part][0][h], f.r[part][0][2 + h]);
-      upcast4(v.y, fac, kSlow, f.r[part][1][h], f.r[part][1][2 + h]);
+      upcast4(v[part][h].x, fac, kSlow, f.r[part][0][h], f.r[part][0][2 + h]);
+      upcast4(v[part][h].y, fac, kSlow, f.r[part][1][h], f.r[part][1][2 + h]);
     }
   }
 }
 
-// upcast_frags with the scale bytes of the super-stage `sc` (sk: the stage's first). The two-step
-// multiply (fast_scale) is chosen per warp: both forms give the same bf16 wherever the one-step
-// form applies, so a warp's choice does not change the result.
+// Block blk's fragments: the rows' bytes (bytes 8 tig .. 8 tig + 7 of the block) and their scale
+// bytes from the super-stage `sc` (sk: the stage's first), all loaded before anything waits on
+// them, then upcast. The two-step multiply (fast_scale) is chosen per warp: both forms give the
+// same bf16 wherever the one-step form applies, so a warp's choice does not change the result.
 __device__ __forceinline__ void load_frags(Frags& f, uint32_t w_base, const ScaleStage& sc, int sk,
                                            int cw, int row_g, int tig, int blk) {
+  const int c = blk * 2 + tig / 2, within = (tig & 1) * 8;
+  uint2 v[2][2];
   uint32_t e[2][2];
-  bool slow = false;
 #pragma unroll
   for (int part = 0; part < 2; ++part)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      e[part][h] = sc.w[cw * 128 + part * 64 + row_g + 8 * h][sk + blk];
-      slow |= !fast_scale(e[part][h]);
+      const int r = cw * 128 + part * 64 + row_g + 8 * h;
+      v[part][h] = lds64(w_base + r * KS + ((c ^ ((r >> 1) & 3)) << 4) + within);
+      e[part][h] = sc.w[r][sk + blk];
     }
-  if (__any_sync(0xFFFFFFFFu, slow)) upcast_frags<true>(f, w_base, e, cw, row_g, tig, blk);
-  else upcast_frags<false>(f, w_base, e, cw, row_g, tig, blk);
+  bool slow = false;
+#pragma unroll
+  for (int part = 0; part < 2; ++part)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) slow |= !fast_scale(e[part][h]);
+  if (__any_sync(0xFFFFFFFFu, slow)) upcast_frags<true>(f, v, e);
+  else upcast_frags<false>(f, v, e);
 }
 
 // Block blk of one stage: for each k16 step, gate and up rows times all kTok tokens of the tile
