@@ -262,7 +262,7 @@ class CudaMoeTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
       ("mid_uniform", _util.MID_LAYER, 256, "uniform", None),
-      ("mid_uniform_tile256", _util.MID_LAYER, 1024, "uniform", None),  # 256 rows per expert
+      ("mid_uniform_T1024", _util.MID_LAYER, 1024, "uniform", None),  # 256 rows per expert
       ("mid_skewed_limit", _util.MID_LAYER, 512, "skewed", 7.0),
       ("mid_masked", _util.MID_LAYER, 64, "masked", None),
       ("small_uniform", None, 128, "uniform", None),
