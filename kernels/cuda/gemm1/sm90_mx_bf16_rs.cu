@@ -60,7 +60,8 @@ static_assert(kBf16TileTokens == 128 && kBf16SmallTileTokens == 32, "the wgmma s
 
 // One stage of the ring, filled by TMA.
 // w: fp8 weight rows, 64-byte swizzle (16-byte chunk c of row r at c ^ ((r >> 1) & 3)); row r:
-//    consumer warpgroup r / 128, gate (r % 128 < 64) or up, output column n0 + 64 * (r / 128) + r % 64.
+//    consumer warpgroup r / 128, gate (r % 128 < 64) or up, output column
+//    n0 + 64 * (r / 128) + r % 64.
 // x: bf16 token rows (the workspace's K order, see upcast_block), 128-byte swizzle: the K-major
 //    layout of wgmma's B descriptor.
 template <int kTok>
@@ -110,13 +111,15 @@ __device__ __forceinline__ int weight_box_row(const Gemm1Args& g, const Tile& t,
 // sign in place, the exponent and mantissa in bf16's low exponent bits and top mantissa bits (e4m3
 // subnormals become bf16 subnormals). One multiply by 2^(e - 7) then gives value * 2^(e - 127), the
 // dequantised element. That factor is a bf16 for e <= 134 (blocks with amax below 448 * 2^7); a
-// block with a larger scale or the NaN scale 0xFF multiplies twice (2^120, then 2^(e - 127) or NaN).
+// block with a larger scale or the NaN scale 0xFF multiplies twice (2^120, then 2^(e - 127) or
+// NaN).
 __device__ __forceinline__ bool fast_scale(uint32_t e) { return e <= 134; }
 
 // The factor of scale byte e in both halves: one multiply-add in the one-step form (2^(e - 7): the
 // bf16 exponent field e + 120); 2^(e - 127) for e = 0 is a bf16 subnormal, 0x0040.
 __device__ __forceinline__ uint32_t factor_bf16x2(uint32_t e, bool slow) {
-  const uint32_t bits = !slow ? e * 128 + (120 << 7) : e == 0xFF ? 0x7FC0u : e == 0 ? 0x0040u : e << 7;
+  const uint32_t bits =
+      !slow ? e * 128 + (120 << 7) : e == 0xFF ? 0x7FC0u : e == 0 ? 0x0040u : e << 7;
   return bits * 0x10001u;
 }
 
@@ -181,7 +184,8 @@ __device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared<kTok>& sh
       // expiry is a broken protocol, not a slow peer: fail the launch loudly, never compute on
       // rows that are not there
       const uint32_t* flag = g.xb_ready + w / n_tiles;
-      const uint64_t deadline = globaltimer_ns() + (g.timeout_ns ? 2 * g.timeout_ns : 20000000000ull);
+      const uint64_t deadline =
+          globaltimer_ns() + (g.timeout_ns ? 2 * g.timeout_ns : 20000000000ull);
       while (ld_acquire_gpu(flag) < uint32_t(kChunks))
         if (globaltimer_ns() > deadline) __trap();
         else __nanosleep(128);
@@ -220,10 +224,10 @@ __device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared<kTok>& sh
 }
 
 // One MX block of a token row (32 fp8 values in0, in1 and their scale e) -> 64 bytes of bf16 in
-// the workspace. K order: within each k16 step, the consumers' fragment order. A consumer thread tig
-// reads bytes 8 tig .. 8 tig + 7 of a weight block as words 2 tig (step 0) and 2 tig + 1 (step 1),
-// bytes 0-1 of a word at k = 2 tig, 2 tig + 1 and bytes 2-3 at k = 8 + 2 tig, 9 + 2 tig of its step
-// (the mma A fragment layout); so 16-byte chunk q of the output (step q / 2, k 0-7 or 8-15) holds
+// the workspace. K order: within each k16 step, the consumers' fragment order. A consumer thread
+// tig reads bytes 8 tig .. 8 tig + 7 of a weight block as words 2 tig (step 0) and 2 tig + 1
+// (step 1), bytes 0-1 of a word at k = 2 tig, 2 tig + 1 and bytes 2-3 at k = 8 + 2 tig, 9 + 2 tig
+// of its step (the mma A fragment layout); so 16-byte chunk q of the output (step q / 2, k 0-7 or 8-15) holds
 // bytes 0-1 (q even) or 2-3 (q odd) of words 2 tig + q / 2, tig = 0..3.
 __device__ __forceinline__ void upcast_block(const uint4& in0, const uint4& in1, uint32_t e,
                                              uint8_t* dst) {
@@ -443,7 +447,8 @@ __device__ __forceinline__ void store_columns(const Gemm1Args& g, const Tile& t,
       float v[32];
 #pragma unroll
       for (int q = 0; q < 8; ++q) {
-        const float4 x = *reinterpret_cast<const float4*>(epi + tok * kEpiStride + blk * 32 + 4 * q);
+        const float4 x =
+            *reinterpret_cast<const float4*>(epi + tok * kEpiStride + blk * 32 + 4 * q);
         v[4 * q] = x.x, v[4 * q + 1] = x.y, v[4 * q + 2] = x.z, v[4 * q + 3] = x.w;
       }
       store_h_block(g, t.row0 + half * kPass + tok, col0 + blk * 32, v);
