@@ -227,8 +227,8 @@ __device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared<kTok>& sh
 // the workspace. K order: within each k16 step, the consumers' fragment order. A consumer thread
 // tig reads bytes 8 tig .. 8 tig + 7 of a weight block as words 2 tig (step 0) and 2 tig + 1
 // (step 1), bytes 0-1 of a word at k = 2 tig, 2 tig + 1 and bytes 2-3 at k = 8 + 2 tig, 9 + 2 tig
-// of its step (the mma A fragment layout); so 16-byte chunk q of the output (step q / 2, k 0-7 or 8-15) holds
-// bytes 0-1 (q even) or 2-3 (q odd) of words 2 tig + q / 2, tig = 0..3.
+// of its step (the mma A fragment layout); so 16-byte chunk q of the output (step q / 2, k 0-7 or
+// 8-15) holds bytes 0-1 (q even) or 2-3 (q odd) of words 2 tig + q / 2, tig = 0..3.
 __device__ __forceinline__ void upcast_block(const uint4& in0, const uint4& in1, uint32_t e,
                                              uint8_t* dst) {
   const bool slow = !fast_scale(e);
