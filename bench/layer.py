@@ -70,7 +70,8 @@ def gemm2_operand(h32: jax.Array, stage1_out: str) -> jax.Array:
   """float32 h -> the values GEMM2 multiplies (DESIGN §3, Stage2): q(bf16 h) where Stage1 emits
   bf16; where it emits MX-fp8, its quantisation of the float32 h (where rounding to bf16 first
   moves a value across an e4m3 rounding boundary the bytes differ by a step: against q(bf16 h),
-  jsm.moe with MX-fp8 Stage1 measured 1.7e-2 relative in y on 2xH200, so each is held to its own)."""
+  jsm.moe with MX-fp8 Stage1 measured 1.7e-2 relative in y on 2xH200, so each is held to its
+  own)."""
   h = reference.finish_h(h32, stage1_out)
   return reference.dequantize(*(h if stage1_out == "mxfp8" else reference.quantize(h)))
 

@@ -71,8 +71,9 @@ def kernel_table(fn: Callable, args: tuple, calls: int, title: str) -> str:
       total[name] += e - s
       count[name] += 1
     span = max(e for _, _, e in events) - min(s for _, s, _ in events)
+    kernels_ms = sum(total.values()) / calls / 1e6
     lines.append(f"  {dev}: busy {_busy_ns(events) / calls / 1e6:.3f} of a span of "
-                 f"{span / calls / 1e6:.3f} per call; kernels {sum(total.values()) / calls / 1e6:.3f}")
+                 f"{span / calls / 1e6:.3f} per call; kernels {kernels_ms:.3f}")
     for name, ns in sorted(total.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]:
       lines.append(f"    {ns / calls / 1e6:8.3f}  x{count[name] / calls:<4g} {_short(name)}")
   return "\n".join(lines)

@@ -94,8 +94,8 @@ class WindowEngine(FfiDispatchEngine):
         gemm1_options=gemm1_options(self.config, send, send_counts),
         graph=self.graph_capturable)
 
-  # the window engines' combine is built for engines sm, ce and sdma (DESIGN.md §6): Engine.combine's
-  # error for the others
+  # the window engines' combine is built for engines sm, ce and sdma (DESIGN.md §6):
+  # Engine.combine's error for the others
   combine = Engine.combine
 
   def combine_window_set(self, rows, out1, num_tokens, topk):

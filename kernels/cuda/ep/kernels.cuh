@@ -69,14 +69,14 @@ __device__ __forceinline__ void block_copy(uint8_t* __restrict__ dst,
 __device__ bool wait_plan(const EpArgs& a, uint32_t epoch) {
   uint8_t* own = a.peers.base[a.rank];
   const uint32_t* flags = at<uint32_t>(own, a.L.plan_flag[epoch & 1]);
-  const uint64_t deadline = globaltimer_ns() + a.timeout_ns;
+  const uint64_t deadline = timer_now() + a.timeout_ns;
   for (;;) {
     bool ok = true;
     int missing = -1;
     for (int s = threadIdx.x; s < a.g.R; s += blockDim.x)
       if (!epoch_reached(ld_acquire_sys(flags + s), epoch)) ok = false, missing = s;
     if (__syncthreads_and(ok)) return true;
-    if (__syncthreads_or(threadIdx.x == 0 && globaltimer_ns() > deadline)) {  // block-uniform
+    if (__syncthreads_or(threadIdx.x == 0 && timer_now() > deadline)) {  // block-uniform
       if (missing >= 0) record_wait_error(a.err, 1, missing, 0, epoch);
       return false;
     }
@@ -215,7 +215,7 @@ __global__ void ep_rows_kernel(const EpArgs a, LandedView out, bool absent, bool
     offsets[e] = out.expert_offsets[e], counts[e] = out.expert_counts[e];
   if (!absent) {
     const uint32_t* flags = at<const uint32_t>(own, a.L.seg_flag[p]);
-    const uint64_t deadline = globaltimer_ns() + a.timeout_ns;
+    const uint64_t deadline = timer_now() + a.timeout_ns;
     for (bool first = true;; first = false) {
       bool ok = true;
       int missing = -1;
@@ -230,7 +230,7 @@ __global__ void ep_rows_kernel(const EpArgs a, LandedView out, bool absent, bool
       if (first && __syncthreads_or(threadIdx.x == 0 &&
                                     static_cast<volatile EpError*>(a.err)->code != 0))
         break;
-      if (__syncthreads_or(threadIdx.x == 0 && globaltimer_ns() > deadline)) {
+      if (__syncthreads_or(threadIdx.x == 0 && timer_now() > deadline)) {
         if (missing >= 0) record_wait_error(a.err, 2, missing % R, missing / R, epoch);
         break;  // the rows are not trusted; the error surfaces at the next host check
       }

@@ -27,7 +27,7 @@ using jsm::RowHeader;
 using gpu::ld_acquire_sys;
 using gpu::record_wait_error;
 using gpu::st_release_sys;
-__device__ __forceinline__ uint64_t globaltimer_ns() { return gpu::timer_now(); }
+using gpu::timer_now;
 #endif
 
 }  // namespace cuda

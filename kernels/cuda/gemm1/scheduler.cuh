@@ -71,7 +71,7 @@ struct TileSchedulerFor {
     ready = e;
     const bool mine = lane < g.arrival_ranks;  // kMaxRanks <= kWarp: one source per lane
     const uint32_t* flags = g.arrival + int64_t(e) * g.arrival_ranks;
-    const uint64_t deadline = globaltimer_ns() + g.timeout_ns;
+    const uint64_t deadline = timer_now() + g.timeout_ns;
     for (bool first = true;; first = false) {
       const bool ok = !mine || epoch_reached(ld_acquire_sys(flags + lane), g.epoch);
       const unsigned missing = __ballot_sync(0xFFFFFFFFu, !ok);
@@ -82,7 +82,7 @@ struct TileSchedulerFor {
       if (first && __shfl_sync(0xFFFFFFFFu, lane == 0 && static_cast<volatile EpError*>(
                                                              g.err)->code != 0, 0))
         return;
-      if (__shfl_sync(0xFFFFFFFFu, int(globaltimer_ns() > deadline), 0)) {
+      if (__shfl_sync(0xFFFFFFFFu, int(timer_now() > deadline), 0)) {
         // bounded: the rows are not trusted, the error surfaces at the host
         if (lane == __ffs(int(missing)) - 1)
           record_wait_error(g.err, 2, uint32_t(lane), uint32_t(e), g.epoch);

@@ -185,9 +185,9 @@ __device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared<kTok>& sh
       // rows that are not there
       const uint32_t* flag = g.xb_ready + w / n_tiles;
       const uint64_t deadline =
-          globaltimer_ns() + (g.timeout_ns ? 2 * g.timeout_ns : 20000000000ull);
+          timer_now() + (g.timeout_ns ? 2 * g.timeout_ns : 20000000000ull);
       while (ld_acquire_gpu(flag) < uint32_t(kChunks))
-        if (globaltimer_ns() > deadline) __trap();
+        if (timer_now() > deadline) __trap();
         else __nanosleep(128);
       asm volatile("fence.proxy.async.global;" ::: "memory");  // TMA reads what was acquired
     }
