@@ -22,7 +22,8 @@ for H in (224, 256):
   w1q = jsm.quantize_w1(jax.device_put(jnp.asarray(r.standard_normal((E, 2 * I, H)), jnp.bfloat16),
                                        gpu))
   for out_dtype in ("bf16", "mxfp8"):
-    rt = jsm.Runtime(mesh, "ep", jsm.Stage1Config(engine="local", row_align=16, out_dtype=out_dtype))
+    config = jsm.Stage1Config(engine="local", row_align=16, out_dtype=out_dtype)
+    rt = jsm.Runtime(mesh, "ep", config)
     f = jax.jit(jax.shard_map(lambda x, i, w, q: jsm.stage1(x, (i, w), q, runtime=rt, check=True),
                               mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
     out = jax.block_until_ready(f(x, ids, w, w1q))
