@@ -6,9 +6,15 @@ bench/device/profile_gemm1.sh:
 With TOKENS: R = 1, the rows landed by reference.dispatch (no dispatch kernel runs), so the only
 CUDA kernels launched are the quantisation's and this gemm1. With --rows: the rows of
 bench/run.py --gemm1-rows (bench/inputs.gemm1_inputs: spread evenly over --experts local experts,
-T x R entries as there)."""
+T x R entries as there).
+
+With --time N: N calls enqueued back to back, three times, and the best wall ms per call printed
+(`TIMING ...`): the timing of whatever kernel the build holds, its output NOT checked. It times
+diagnostic variants that compute wrong results on purpose (bench/device/ab_gemm1.sh --unchecked);
+bench/run.py is the benchmark, which checks every result before it times it."""
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -26,6 +32,8 @@ p.add_argument("--rows", help="rows (or TxR) as bench/run.py --gemm1-rows, inste
 p.add_argument("--experts", type=int, help="with --rows: local experts (default E/2)")
 p.add_argument("--tile-tokens", type=int, choices=layout.GEMM_TILE_TOKENS,
                help="the bf16 kernel's tile (default: the library's choice by rows per expert)")
+p.add_argument("--time", type=int, metavar="N",
+               help="time N back-to-back calls (unchecked output) instead of one launch")
 a = p.parse_args()
 
 s = jsm.SHAPES[a.shape]
@@ -66,3 +74,13 @@ gemm1 = jax.jit(lambda v, sc, o, c, w: primitives.gemm1(v, sc, o, c, w, options=
 what += f", tile {options.tile_tokens}"
 h = jax.block_until_ready(gemm1(*landed, w1q))
 print(f"gemm1 done: {a.shape} {what}, h {h.shape} {h.dtype}")
+if a.time:
+  jax.block_until_ready(gemm1(*landed, w1q))
+  best = float("inf")
+  for _ in range(3):
+    t0 = time.perf_counter()
+    for _ in range(a.time):
+      h = gemm1(*landed, w1q)
+    jax.block_until_ready(h)
+    best = min(best, (time.perf_counter() - t0) / a.time * 1e3)
+  print(f"TIMING {a.shape} {what}: {best:.3f} ms per call (unchecked)")
