@@ -1,6 +1,9 @@
-"""A small end-to-end CUDA Stage1 (R = 1) for compute-sanitizer: every kernel runs once on odd
-sizes (I not a multiple of the tiles, T not a multiple of anything), with H = 224 (gemm1 v2, any
-H % 32 == 0) and H = 256 (the default warp-specialised gemm1 with TMA, H % 128 == 0)."""
+"""A small end-to-end CUDA Stage1 and MoE layer (R = 1) for compute-sanitizer: every kernel runs
+once on odd sizes (T not a multiple of anything, I not a multiple of the column tiles), on each
+GEMM route: H = 224 (the mma.sync kernel, any H % 32 == 0), H = 256 (the fp8 warp-specialised
+kernel with TMA, H % 128 == 0), H = 512 (the bf16 wgmma kernel, H % 512 == 0 and I % 64 == 0) with
+a few rows per expert (its 32-token tile) and with hundreds (its 128-token tile; GEMM2 on the same
+kernel where I % 256 == 0), each with bf16 and MX-fp8 Stage1 output."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,15 +15,20 @@ gpu = jax.devices("gpu")[0]
 seed = int(np.random.SeedSequence().entropy % 2**31)
 print("seed", seed)
 r = np.random.default_rng(seed)
-T, I, E, K = 37, 96, 12, 3
 mesh = jax.sharding.Mesh(np.array([gpu]), ("ep",))
-for H in (224, 256):
-  x = jax.device_put(jnp.asarray(r.standard_normal((T, H)), jnp.bfloat16), gpu)
-  ids = jax.device_put(jnp.asarray(np.stack([r.permutation(E)[:K] for _ in range(T)]), jnp.int32),
-                       gpu)
-  w = jax.device_put(jnp.asarray(r.random((T, K)), jnp.float32), gpu)
-  w1q = jsm.quantize_w1(jax.device_put(jnp.asarray(r.standard_normal((E, 2 * I, H)), jnp.bfloat16),
-                                       gpu))
+
+
+def put(a, dtype):
+  return jax.device_put(jnp.asarray(a, dtype), gpu)
+
+
+CASES = ((37, 224, 96, 12, 3), (37, 256, 96, 12, 3), (37, 512, 192, 12, 3), (515, 512, 256, 4, 2))
+for T, H, I, E, K in CASES:
+  x = put(r.standard_normal((T, H)), jnp.bfloat16)
+  ids = put(np.stack([r.permutation(E)[:K] for _ in range(T)]), jnp.int32)
+  w = put(r.random((T, K)), jnp.float32)
+  w1q = jsm.quantize_w1(put(r.standard_normal((E, 2 * I, H)), jnp.bfloat16))
+  w2q = jsm.quantize_w2(put(r.standard_normal((E, H, I)) * 0.05, jnp.bfloat16))
   for out_dtype in ("bf16", "mxfp8"):
     config = jsm.Stage1Config(engine="local", row_align=16, out_dtype=out_dtype)
     rt = jsm.Runtime(mesh, "ep", config)
@@ -28,5 +36,12 @@ for H in (224, 256):
                               mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
     out = jax.block_until_ready(f(x, ids, w, w1q))
     rows, overflow = int(out.num_rows), int(out.overflow)
-    print("H", H, out_dtype, "rows", rows, "overflow", overflow)
+    print("H", H, "I", I, "T", T, out_dtype, "rows", rows, "overflow", overflow)
     assert rows == T * K and overflow == 0
+    if H % 512 == 0:  # the layer: GEMM2 and the combine
+      layer = jax.jit(jax.shard_map(
+          lambda x, i, w, q1, q2: jsm.moe(x, (i, w), q1, q2, runtime=rt, check=True),
+          mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+      y = np.asarray(jax.block_until_ready(layer(x, ids, w, w1q, w2q)), np.float32)
+      print("  moe y", y.shape, "finite", bool(np.isfinite(y).all()))
+      assert y.shape == (T, H) and np.isfinite(y).all()
