@@ -8,13 +8,12 @@ CUDA kernels launched are the quantisation's and this gemm1. With --rows: the ro
 bench/run.py --gemm1-rows (bench/inputs.gemm1_inputs: spread evenly over --experts local experts,
 T x R entries as there).
 
-With --time N: N calls enqueued back to back, three times, and the best wall ms per call printed
-(`TIMING ...`): the timing of whatever kernel the build holds, its output NOT checked. It times
+With --time N: bench/timing.time_calls over N calls (after 2 warm-ups), its pipelined ms per call
+printed (`TIMING ...`): the timing of whatever kernel the build holds, its output NOT checked. It times
 diagnostic variants that compute wrong results on purpose (bench/device/ab_gemm1.sh --unchecked);
 bench/run.py is the benchmark, which checks every result before it times it."""
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -37,11 +36,11 @@ p.add_argument("--time", type=int, metavar="N",
 a = p.parse_args()
 
 s = jsm.SHAPES[a.shape]
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # bench/ as a package, after jsm
 
 
 def study_rows():
   """The landed rows and w1q of bench/run.py --gemm1-rows."""
-  sys.path.append(str(Path(__file__).resolve().parent.parent))  # bench/ as a package, after jsm
   from bench import inputs
   counts = inputs.balanced_counts(inputs.study_rows(a.rows, s),
                                   a.experts or s.num_experts // inputs.STUDY_RANKS)
@@ -75,12 +74,6 @@ what += f", tile {options.tile_tokens}"
 h = jax.block_until_ready(gemm1(*landed, w1q))
 print(f"gemm1 done: {a.shape} {what}, h {h.shape} {h.dtype}")
 if a.time:
-  jax.block_until_ready(gemm1(*landed, w1q))
-  best = float("inf")
-  for _ in range(3):
-    t0 = time.perf_counter()
-    for _ in range(a.time):
-      h = gemm1(*landed, w1q)
-    jax.block_until_ready(h)
-    best = min(best, (time.perf_counter() - t0) / a.time * 1e3)
-  print(f"TIMING {a.shape} {what}: {best:.3f} ms per call (unchecked)")
+  from bench.timing import time_calls
+  ms = time_calls(gemm1, (*landed, w1q), a.time, warmup=2)["pipelined_ms"]
+  print(f"TIMING {a.shape} {what}: {ms:.3f} ms per call, pipelined (unchecked)")
