@@ -9,9 +9,9 @@ bench/run.py --gemm1-rows (bench/inputs.gemm1_inputs: spread evenly over --exper
 T x R entries as there).
 
 With --time N: bench/timing.time_calls over N calls (after 2 warm-ups), its pipelined ms per call
-printed (`TIMING ...`): the timing of whatever kernel the build holds, its output NOT checked. It times
-diagnostic variants that compute wrong results on purpose (bench/device/ab_gemm1.sh --unchecked);
-bench/run.py is the benchmark, which checks every result before it times it."""
+printed (`TIMING ...`): the timing of whatever kernel the build holds, its output NOT checked. It
+times diagnostic variants that compute wrong results on purpose (bench/device/ab_gemm1.sh
+--unchecked); bench/run.py is the benchmark, which checks every result before it times it."""
 import argparse
 import sys
 from pathlib import Path

@@ -10,9 +10,10 @@
 #   e.g. bash bench/device/ab_gemm1.sh base scratch/prefetch.patch scratch/a.patch+scratch/b.patch
 # (default --timeout 150 per variant, --rows 128x2,32768, --shapes dsv3). Logs: $OUT/ab-<n>-*.log;
 # the last lines: one `gemm1 alone` row per variant and rows entry.
-# --unchecked: time with bench/gemm1_profile.py --time 10 instead (pipelined ms) (R = 1 rows of --rows over 128
-# experts, one TIMING line per variant and rows entry), whose output is NOT checked: for
-# diagnostic variants that compute wrong results on purpose (bench/run.py stops at its check).
+# --unchecked: time with bench/gemm1_profile.py --time 10 instead (pipelined ms; R = 1 rows of
+# --rows over 128 experts, one TIMING line per variant and rows entry), whose output is NOT
+# checked: for diagnostic variants that compute wrong results on purpose (bench/run.py stops at
+# its check).
 source "$(dirname "$0")/common.sh"
 ROWS=128x2,32768
 SHAPES=dsv3
