@@ -26,12 +26,12 @@ void launch_sm90_tma_ws(const Gemm1Args& g, const CUtensorMap& map_a0, const CUt
 // (kBf16TileTokens, or kBf16SmallTileTokens where experts hold few rows) x kBf16TileCols output
 // columns. Its TMA maps (row-major byte matrices):
 struct Bf16RsMaps {
-  CUtensorMap xb;        // the workspace's bf16 rows [m_cap, 2H bytes]: boxes kTmaXBoxRows x 128 B,
+  CUtensorMap xb;        // the workspace's bf16 rows [m_cap, 2H bytes]: boxes tile_tokens x 128 B,
                          // 128-byte swizzle
-  CUtensorMap w;         // w1 [EL * 2I, H]: boxes 64 x 64 B, 64-byte swizzle
-  CUtensorMap w_scales;  // [EL * 2I, H / 32]: boxes 64 x 16 B
+  CUtensorMap w;         // w1 [EL * 2I, H]: boxes 128 x 128 B, 128-byte swizzle
+  CUtensorMap w_scales;  // [EL * 2I, H / 32]: boxes 128 x 16 B
 };
-constexpr int kBf16TileCols = 128, kTmaXBoxRows = 16;
+constexpr int kBf16TileCols = 128;
 // swiglu: GEMM1 (gate and up rows, SwiGLU); else GEMM2 (plain, g.I output columns; see
 // SchedulerFor in the .cu). tile_tokens: kBf16TileTokens or kBf16SmallTileTokens (args.h).
 void launch_sm90_mx_bf16_rs(const Gemm1Args& g, const Bf16RsMaps& maps, int grid,

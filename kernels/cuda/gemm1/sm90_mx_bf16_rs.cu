@@ -41,14 +41,17 @@ namespace sm90_bf16 {
 // reading the weights; a separate kernel, since two wgmma shapes in one kernel serialise them).
 constexpr int COLS = kBf16TileCols;   // output columns per tile: 64 per consumer warpgroup
 constexpr int WROWS = 2 * COLS;       // weight rows per tile
-constexpr int KS = 64;                // K per stage: two MX blocks, one 64-byte fp8 row
-// Stages of the ring: 5 of the large tile's 32 KB; 8 of the small tile's 20 KB (bytes in flight
-// for weight streaming).
+// K per stage: four MX blocks (NB), one 128-byte fp8 row. Whole 128-byte rows and few large TMA
+// boxes per stage (2 token + 2 weight boxes) because the loads are bound by TMA requests, not
+// bytes (docs/PERF.md §3).
+constexpr int KS = 128, NB = KS / kBlock;
+// Stages of the ring: 3 of the large tile's 64 KB; 4 of the small tile's 40 KB (what fits).
 template <int kTok>
-constexpr int kStages = kTok == kBf16TileTokens ? 5 : 8;
+constexpr int kStages = kTok == kBf16TileTokens ? 3 : 4;
 // Weight scales come by TMA in super-stages of kScaleStages stages (16 scale bytes per row, the
 // smallest TMA box), two super-stages deep.
-constexpr int kScaleStages = 8, kScaleBytes = kScaleStages * KS / kBlock;
+constexpr int kScaleStages = 4, kScaleBytes = kScaleStages * KS / kBlock;
+constexpr int kEpiTokens = 32;  // tokens per pass through the epilogue's staging
 constexpr int THREADS = 384;  // producer warpgroup + two consumer warpgroups
 constexpr int kTransformThreads = 96;  // warps 1-3 of the producer warpgroup
 // The transform's work items: quarters (kChunks) of a row tile's H; kBatch blocks' loads in flight
@@ -59,11 +62,11 @@ static_assert(COLS == 128, "two consumer warpgroups");
 static_assert(kBf16TileTokens == 128 && kBf16SmallTileTokens == 32, "the wgmma shapes below");
 
 // One stage of the ring, filled by TMA.
-// w: fp8 weight rows, 64-byte swizzle (16-byte chunk c of row r at c ^ ((r >> 1) & 3)); row r:
-//    consumer warpgroup r / 128, gate (r % 128 < 64) or up, output column
-//    n0 + 64 * (r / 128) + r % 64.
+// w: fp8 weight rows, 128-byte swizzle (16-byte chunk c of row r at c ^ (r & 7)), in two TMA boxes
+//    of 128 rows (weight_box_row; stage_row says which row a consumer reads).
 // x: bf16 token rows (the workspace's K order, see upcast_block), 128-byte swizzle: the K-major
-//    layout of wgmma's B descriptor.
+//    layout of wgmma's B descriptor; two halves of K (64 elements, 128 bytes a row) one after the
+//    other.
 template <int kTok>
 struct alignas(1024) Stage {
   uint8_t w[WROWS * KS];
@@ -77,7 +80,7 @@ template <int kTok>
 struct Shared {
   Stage<kTok> s[kStages<kTok>];
   ScaleStage scales[2];
-  float epi[2][64 * kEpiStride];  // per consumer warpgroup: h of 64 tokens x 64 columns
+  float epi[2][kEpiTokens * kEpiStride];  // per consumer warpgroup: h of 32 tokens x 64 columns
   uint64_t loaded[kStages<kTok>], empty[kStages<kTok>], scales_loaded[2], scales_empty[2];
 };
 // + the worst alignment pad: dynamic shared memory starts 16-byte aligned at least
@@ -98,12 +101,19 @@ constexpr int kWgCols = kSwiglu ? 64 : 128;
 template <bool kSwiglu, int kTok>
 using SchedulerFor = TileSchedulerFor<kTok, 2 * kWgCols<kSwiglu>>;
 
-// The first w1/w2 row of TMA box i (64 rows; box i lands at Stage::w row 64 i: consumer warpgroup
-// i / 2, part i % 2 — gate/up, or its first/second 64 columns) of tile t.
+// The first w1/w2 row of TMA box i of tile t (128 rows, landing at Stage::w row 128 i): GEMM1 the
+// gate rows (i = 0) or the up rows (i = 1) of the tile's 128 columns; GEMM2 its first or second
+// 128 columns.
 template <bool kSwiglu>
 __device__ __forceinline__ int weight_box_row(const Gemm1Args& g, const Tile& t, int i) {
-  if (kSwiglu) return int(int64_t(t.e) * 2 * g.I + t.n0) + (i & 1) * int(g.I) + (i / 2) * 64;
-  return int(int64_t(t.e) * g.I + t.n0) + i * 64;
+  if (kSwiglu) return int(int64_t(t.e) * 2 * g.I + t.n0) + i * int(g.I);
+  return int(int64_t(t.e) * g.I + t.n0) + i * 128;
+}
+// The Stage::w row of row `row` of consumer warpgroup cw's part (GEMM1: gate/up of its 64 columns;
+// GEMM2: its first/second 64 columns).
+template <bool kSwiglu>
+__device__ __forceinline__ int stage_row(int cw, int part, int row) {
+  return kSwiglu ? part * 128 + cw * 64 + row : cw * 128 + part * 64 + row;
 }
 
 // --- the upcast --------------------------------------------------------------------------------
@@ -192,9 +202,10 @@ __device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared<kTok>& sh
       asm volatile("fence.proxy.async.global;" ::: "memory");  // TMA reads what was acquired
     }
     __syncwarp();
-    const int x_boxes = (t.rows + kTmaXBoxRows - 1) / kTmaXBoxRows;
-    // the second warpgroup's columns exist?
-    const int w_boxes = t.n0 + kWgCols<kSwiglu> < g.I ? 4 : 2;
+    // one box of the tile's kTok token rows per 64-element K half, two of 128 weight rows: rows
+    // past the tile's (the next tile's or expert's, or zeros past the tensor) are loaded and not
+    // used, which costs less than more, smaller boxes
+    constexpr int x_boxes = 1, w_boxes = 2;
     for (int ks = 0; ks < num_k; ++ks, ++issued) {
       Stage<kTok>& S = sh.s[issued % STAGES];
       uint64_t* bar = &sh.loaded[issued % STAGES];
@@ -204,20 +215,19 @@ __device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared<kTok>& sh
         uint64_t* sbar = &sh.scales_loaded[u % 2];
         mbar_wait(&sh.scales_empty[u % 2], ((u / 2) & 1) ^ 1);
         if (lane == 0) {
-          mbar_arrive_expect_tx(sbar, uint32_t(w_boxes * 64 * kScaleBytes));
+          mbar_arrive_expect_tx(sbar, uint32_t(w_boxes * 128 * kScaleBytes));
           const int x0 = ks / kScaleStages * kScaleBytes;
           for (int i = 0; i < w_boxes; ++i)
-            tma_load_2d(SS.w[i * 64], map_ws, sbar, x0, weight_box_row<kSwiglu>(g, t, i));
+            tma_load_2d(SS.w[i * 128], map_ws, sbar, x0, weight_box_row<kSwiglu>(g, t, i));
         }
       }
       mbar_wait(&sh.empty[issued % STAGES], ((issued / STAGES) & 1) ^ 1);
       if (lane == 0) {
-        mbar_arrive_expect_tx(bar, uint32_t(x_boxes * kTmaXBoxRows * 2 * KS + w_boxes * 64 * KS));
-        for (int i = 0; i < x_boxes; ++i)
-          tma_load_2d(S.x + i * kTmaXBoxRows * 2 * KS, map_xb, bar, ks * 2 * KS,
-                      int(t.row0) + i * kTmaXBoxRows);
+        mbar_arrive_expect_tx(bar, uint32_t(x_boxes * kTok * 2 * KS + w_boxes * 128 * KS));
+        for (int half = 0; half < 2; ++half)
+          tma_load_2d(S.x + half * kTok * KS, map_xb, bar, ks * 2 * KS + half * KS, int(t.row0));
         for (int i = 0; i < w_boxes; ++i)
-          tma_load_2d(S.w + i * 64 * KS, map_w, bar, ks * KS, weight_box_row<kSwiglu>(g, t, i));
+          tma_load_2d(S.w + i * 128 * KS, map_w, bar, ks * KS, weight_box_row<kSwiglu>(g, t, i));
       }
     }
   }
@@ -333,6 +343,7 @@ __device__ __forceinline__ void upcast_frags(Frags& f, const uint2 (&v)[2][2],
 // bytes from the super-stage `sc` (sk: the stage's first), all loaded before anything waits on
 // them, then upcast. The two-step multiply (fast_scale) is chosen per warp: both forms give the
 // same bf16 wherever the one-step form applies, so a warp's choice does not change the result.
+template <bool kSwiglu>
 __device__ __forceinline__ void load_frags(Frags& f, uint32_t w_base, const ScaleStage& sc, int sk,
                                            int cw, int row_g, int tig, int blk) {
   const int c = blk * 2 + tig / 2, within = (tig & 1) * 8;
@@ -342,8 +353,8 @@ __device__ __forceinline__ void load_frags(Frags& f, uint32_t w_base, const Scal
   for (int part = 0; part < 2; ++part)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int r = cw * 128 + part * 64 + row_g + 8 * h;
-      v[part][h] = lds64(w_base + r * KS + ((c ^ ((r >> 1) & 3)) << 4) + within);
+      const int r = stage_row<kSwiglu>(cw, part, row_g + 8 * h);
+      v[part][h] = lds64(w_base + r * KS + ((c ^ (r & 7)) << 4) + within);
       e[part][h] = sc.w[r][sk + blk];
     }
   bool slow = false;
@@ -361,7 +372,7 @@ __device__ __forceinline__ void load_frags(Frags& f, uint32_t w_base, const Scal
 template <int kTok>
 __device__ __forceinline__ void issue_block(float (&gate)[kTok / 2], float (&up)[kTok / 2],
                                             Frags& f, uint32_t b_base, int blk) {
-  const uint32_t k0 = b_base + blk * 64;
+  const uint32_t k0 = b_base + (blk / 2) * kTok * KS + (blk % 2) * 64;
   fence_frags(f);
   fence_acc(gate);
   fence_acc(up);
@@ -428,7 +439,7 @@ template <int kTok, class Value>
 __device__ __forceinline__ void store_columns(const Gemm1Args& g, const Tile& t, float* epi,
                                               Value value, int64_t col0, int cw, int tid,
                                               int row_g, int tig) {
-  constexpr int kPass = kTok < 64 ? kTok : 64;  // tokens per pass through the staging
+  constexpr int kPass = kTok < kEpiTokens ? kTok : kEpiTokens;  // tokens per pass
 #pragma unroll
   for (int half = 0; half < kTok / kPass; ++half) {
     if (half > 0 && t.rows <= half * kPass) break;
@@ -438,7 +449,7 @@ __device__ __forceinline__ void store_columns(const Gemm1Args& g, const Tile& t,
       for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-          const int i = half * 32 + j * 4 + 2 * h + c;
+          const int i = half * (kPass / 2) + j * 4 + 2 * h + c;
           epi[(j * 8 + 2 * tig + c) * kEpiStride + row_g + 8 * h] = value(i);
         }
     consumer_barrier(cw);
@@ -498,26 +509,27 @@ __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared<kTok>& s
   };
   for (int ks = 0; ks < num_k; ++ks, ++consumed) {
     const uint32_t u = consumed / kScaleStages;
-    const int sk = int(consumed % kScaleStages) * 2;  // the stage's scale bytes
+    const int sk = int(consumed % kScaleStages) * NB;  // the stage's scale bytes
     const ScaleStage& sc = sh.scales[u % 2];
     if (sk == 0) mbar_wait(&sh.scales_loaded[u % 2], (u / 2) & 1);
     mbar_wait(&sh.loaded[consumed % STAGES], (consumed / STAGES) & 1);
     if (active) {
       const uint32_t w_base = smem_addr(sh.s[consumed % STAGES].w);
       const uint32_t b_base = smem_addr(sh.s[consumed % STAGES].x);
-      wgmma_wait<1>();  // block 0 of the previous stage has retired: f0 is free
-      fence_frags(f0);
-      load_frags(f0, w_base, sc, sk, cw, row_g, tig, 0);
-      issue_block<kTok>(gate, up, f0, b_base, 0);
-      wgmma_wait<1>();  // the previous stage has retired: f1 and its stage are free
-      fence_frags(f1);
-      if (ks > 0) release(&sh.empty[(consumed - 1) % STAGES]);
-      load_frags(f1, w_base, sc, sk, cw, row_g, tig, 1);
-      issue_block<kTok>(gate, up, f1, b_base, 1);
+#pragma unroll
+      for (int blk = 0; blk < NB; ++blk) {
+        Frags& f = blk % 2 ? f1 : f0;
+        wgmma_wait<1>();  // the block before the previous one has retired: f is free
+        fence_frags(f);
+        // at block 1: the previous stage has retired, its slot is free
+        if (blk == 1 && ks > 0) release(&sh.empty[(consumed - 1) % STAGES]);
+        load_frags<kSwiglu>(f, w_base, sc, sk, cw, row_g, tig, blk);
+        issue_block<kTok>(gate, up, f, b_base, blk);
+      }
     } else if (ks > 0) {
       release(&sh.empty[(consumed - 1) % STAGES]);
     }
-    if (sk == 2 * (kScaleStages - 1)) release(&sh.scales_empty[u % 2]);
+    if (sk == NB * (kScaleStages - 1)) release(&sh.scales_empty[u % 2]);
   }
   wgmma_wait<0>();
   fence_frags(f0);
