@@ -28,10 +28,12 @@ void launch_sm90_tma_ws(const Gemm1Args& g, const CUtensorMap& map_a0, const CUt
 struct Bf16RsMaps {
   CUtensorMap xb;        // the workspace's bf16 rows [m_cap, 2H bytes]: boxes tile_tokens x 128 B,
                          // 128-byte swizzle
-  CUtensorMap w;         // w1 [EL * 2I, H]: boxes 128 x 128 B, 128-byte swizzle
-  CUtensorMap w_scales;  // [EL * 2I, H / 32]: boxes 128 x 16 B
+  CUtensorMap w;         // w1 [EL * 2I, H]: boxes kBf16WeightBoxRows x kBf16StageK B, 128-byte
+                         // swizzle
+  CUtensorMap w_scales;  // [EL * 2I, H / 32]: boxes kBf16WeightBoxRows x 16 B
 };
-constexpr int kBf16TileCols = 128;
+// kBf16StageK: K per stage of the ring, one 128-byte fp8 row of a weight box.
+constexpr int kBf16TileCols = 128, kBf16StageK = 128, kBf16WeightBoxRows = 128;
 // swiglu: GEMM1 (gate and up rows, SwiGLU); else GEMM2 (plain, g.I output columns; see
 // SchedulerFor in the .cu). tile_tokens: kBf16TileTokens or kBf16SmallTileTokens (args.h).
 void launch_sm90_mx_bf16_rs(const Gemm1Args& g, const Bf16RsMaps& maps, int grid,

@@ -65,8 +65,10 @@ std::string launch_bf16_route(const Gemm1Args& g, int64_t weight_rows, int grid,
     return "jax_sdma_moe GEMM: the workspace has too few row-tile flags";
   Bf16RsMaps maps;
   std::string err = tensor_map(&maps.xb, g.xb, 2 * g.H, g.m_cap, int(tile_tokens), 128);
-  if (err.empty()) err = tensor_map(&maps.w, g.w, g.H, weight_rows, 128, 128);
-  if (err.empty()) err = tensor_map(&maps.w_scales, g.w_scales, g.H / kBlock, weight_rows, 128, 16);
+  if (err.empty())
+    err = tensor_map(&maps.w, g.w, g.H, weight_rows, kBf16WeightBoxRows, kBf16StageK);
+  if (err.empty())
+    err = tensor_map(&maps.w_scales, g.w_scales, g.H / kBlock, weight_rows, kBf16WeightBoxRows, 16);
   if (!err.empty()) return err;
   cudaMemsetAsync(g.xb_ready, 0, size_t(g.xb_ready_count) * sizeof(uint32_t), stream);
   launch_sm90_mx_bf16_rs(g, maps, grid, stream, swiglu, int(tile_tokens));

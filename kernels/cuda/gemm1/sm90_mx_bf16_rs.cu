@@ -44,7 +44,8 @@ constexpr int WROWS = 2 * COLS;       // weight rows per tile
 // K per stage: four MX blocks (NB), one 128-byte fp8 row. Whole 128-byte rows and few large TMA
 // boxes per stage (2 token + 2 weight boxes) because the loads are bound by TMA requests, not
 // bytes (docs/PERF.md §3).
-constexpr int KS = 128, NB = KS / kBlock;
+constexpr int KS = kBf16StageK, NB = KS / kBlock;
+constexpr int WBOX = kBf16WeightBoxRows;  // weight rows per TMA box: a tile's gate or up rows
 // Stages of the ring: 3 of the large tile's 64 KB; 4 of the small tile's 40 KB (what fits).
 template <int kTok>
 constexpr int kStages = kTok == kBf16TileTokens ? 3 : 4;
@@ -101,19 +102,19 @@ constexpr int kWgCols = kSwiglu ? 64 : 128;
 template <bool kSwiglu, int kTok>
 using SchedulerFor = TileSchedulerFor<kTok, 2 * kWgCols<kSwiglu>>;
 
-// The first w1/w2 row of TMA box i of tile t (128 rows, landing at Stage::w row 128 i): GEMM1 the
+// The first w1/w2 row of TMA box i of tile t (WBOX rows, landing at Stage::w row WBOX i): GEMM1 the
 // gate rows (i = 0) or the up rows (i = 1) of the tile's 128 columns; GEMM2 its first or second
 // 128 columns.
 template <bool kSwiglu>
 __device__ __forceinline__ int weight_box_row(const Gemm1Args& g, const Tile& t, int i) {
   if (kSwiglu) return int(int64_t(t.e) * 2 * g.I + t.n0) + i * int(g.I);
-  return int(int64_t(t.e) * g.I + t.n0) + i * 128;
+  return int(int64_t(t.e) * g.I + t.n0) + i * WBOX;
 }
 // The Stage::w row of row `row` of consumer warpgroup cw's part (GEMM1: gate/up of its 64 columns;
 // GEMM2: its first/second 64 columns).
 template <bool kSwiglu>
 __device__ __forceinline__ int stage_row(int cw, int part, int row) {
-  return kSwiglu ? part * 128 + cw * 64 + row : cw * 128 + part * 64 + row;
+  return kSwiglu ? part * WBOX + cw * 64 + row : cw * WBOX + part * 64 + row;
 }
 
 // --- the upcast --------------------------------------------------------------------------------
@@ -202,10 +203,10 @@ __device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared<kTok>& sh
       asm volatile("fence.proxy.async.global;" ::: "memory");  // TMA reads what was acquired
     }
     __syncwarp();
-    // one box of the tile's kTok token rows per 64-element K half, two of 128 weight rows: rows
+    // one box of the tile's kTok token rows per 64-element K half, two of WBOX weight rows: rows
     // past the tile's (the next tile's or expert's, or zeros past the tensor) are loaded and not
     // used, which costs less than more, smaller boxes
-    constexpr int x_boxes = 1, w_boxes = 2;
+    constexpr int w_boxes = WROWS / WBOX;
     for (int ks = 0; ks < num_k; ++ks, ++issued) {
       Stage<kTok>& S = sh.s[issued % STAGES];
       uint64_t* bar = &sh.loaded[issued % STAGES];
@@ -215,19 +216,19 @@ __device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared<kTok>& sh
         uint64_t* sbar = &sh.scales_loaded[u % 2];
         mbar_wait(&sh.scales_empty[u % 2], ((u / 2) & 1) ^ 1);
         if (lane == 0) {
-          mbar_arrive_expect_tx(sbar, uint32_t(w_boxes * 128 * kScaleBytes));
+          mbar_arrive_expect_tx(sbar, uint32_t(sizeof(SS.w)));
           const int x0 = ks / kScaleStages * kScaleBytes;
           for (int i = 0; i < w_boxes; ++i)
-            tma_load_2d(SS.w[i * 128], map_ws, sbar, x0, weight_box_row<kSwiglu>(g, t, i));
+            tma_load_2d(SS.w[i * WBOX], map_ws, sbar, x0, weight_box_row<kSwiglu>(g, t, i));
         }
       }
       mbar_wait(&sh.empty[issued % STAGES], ((issued / STAGES) & 1) ^ 1);
       if (lane == 0) {
-        mbar_arrive_expect_tx(bar, uint32_t(x_boxes * kTok * 2 * KS + w_boxes * 128 * KS));
+        mbar_arrive_expect_tx(bar, uint32_t(sizeof(S.x) + sizeof(S.w)));
         for (int half = 0; half < 2; ++half)
           tma_load_2d(S.x + half * kTok * KS, map_xb, bar, ks * 2 * KS + half * KS, int(t.row0));
         for (int i = 0; i < w_boxes; ++i)
-          tma_load_2d(S.w + i * 128 * KS, map_w, bar, ks * KS, weight_box_row<kSwiglu>(g, t, i));
+          tma_load_2d(S.w + i * WBOX * KS, map_w, bar, ks * KS, weight_box_row<kSwiglu>(g, t, i));
       }
     }
   }
