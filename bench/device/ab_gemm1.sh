@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # A/B of kernel variants in one device call: each VARIANT is `base` (the tree as it is) or patch
 # files joined by `+` (paths from the repository root, applied in order with `git apply`); for
-# each, a clean build of the patched sources, then gemm1 alone on the GEMM1 study's rows
+# each, a build of the patched sources (one clean build first, then only what the patches and the
+# variant before changed: their files are touched, since the restored copies keep older mtimes
+# than the objects), then gemm1 alone on the GEMM1 study's rows
 # (bench/run.py --gemm1-rows, peers skipped), and the sources restored. A variant's results are
 # timing only until its tests pass (tests_cuda.sh on the patched tree).
 # Usage, from the repository root:
@@ -38,18 +40,23 @@ cp -a kernels ffi jax_sdma_moe "$pristine"/
 restore() { rm -rf kernels ffi jax_sdma_moe && cp -a "$pristine"/{kernels,ffi,jax_sdma_moe} .; }
 TABLE=()
 n=0
+rm -rf build  # one clean build (see common.sh build), then incremental ones
+touched=()    # the files the variant before patched: restored now, rebuilt too
 for variant in "${VARIANTS[@]}"; do
   n=$((n + 1))
   restore
   ok=1
+  patched=()
   if [[ $variant != base ]]; then
     IFS=+ read -ra patches <<< "$variant"
     for p in "${patches[@]}"; do
+      mapfile -t -O "${#patched[@]}" patched < <(git apply --numstat "$p" | cut -f3)
       git apply "$p" > "$OUT/ab-$n-apply.log" 2>&1 || { ok=0; note "$variant: $p does not apply"; }
     done
   fi
+  ((${#touched[@]} + ${#patched[@]})) && touch "${touched[@]}" "${patched[@]}"
+  touched=("${patched[@]}")
   if ((ok)); then
-    rm -rf build  # a clean build of every variant (see common.sh build)
     if step "ab-$n-build" 480 python3 -m pip install -v --no-build-isolation --no-deps \
          --no-index .; then
       cd /tmp  # the installed package, not the checkout's sources

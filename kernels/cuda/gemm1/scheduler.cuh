@@ -32,10 +32,14 @@ struct Tile {
   int64_t row0;  // first landed row of the tile
   int rows;      // valid rows in the tile
   int64_t n0;    // first output column
+  int rt;        // the row tile's number in the call (experts in order, then row tiles)
 };
 
-// Work items (expert, row tile, column tile) numbered from the device-side expert counts: one
-// launch covers every expert with no host round trip. Fused with a dispatch, a CTA waits (bounded)
+// Work items (expert, column tile, row tile) numbered from the device-side expert counts: one
+// launch covers every expert with no host round trip. Within an expert the row tiles of one
+// column tile are consecutive items, so the CTAs that read the same weight rows run side by side
+// and all but the first find them in L2 (row tiles first let them drift apart: at dsv3, 256 rows
+// per expert, the weights came from DRAM ~1.8 times, docs/PERF.md §3). Fused with a dispatch, a CTA waits (bounded)
 // for an expert's arrival signals before the expert's first tile: each expert starts as soon as
 // its rows have landed.
 static_assert(kMaxRanks <= kWarp, "wait_arrival reads one source per lane of a warp");
@@ -92,18 +96,38 @@ struct TileSchedulerFor {
     }
   }
 
+  // Work item w.
   __device__ __forceinline__ Tile tile(const Gemm1Args& g, int w) const {
-    int lo = 0, hi = g.EL - 1;  // last expert whose first tile is <= w
+    const int e = expert_of(g, w), local = w - tile_start[e];
+    const int row_tiles = (tile_start[e + 1] - tile_start[e]) / n_tiles(g);
+    return row_tile_of(g, e, local % row_tiles, int64_t(local / row_tiles) * kCols);
+  }
+
+  // Row tile rt of the call (numbered expert by expert) with n0 = 0.
+  __device__ __forceinline__ Tile row_tile(const Gemm1Args& g, int rt) const {
+    const int e = expert_of(g, rt * n_tiles(g));
+    return row_tile_of(g, e, rt - tile_start[e] / n_tiles(g), 0);
+  }
+
+ private:
+  // The expert of work item w: the last whose first item is <= w.
+  __device__ __forceinline__ int expert_of(const Gemm1Args& g, int w) const {
+    int lo = 0, hi = g.EL - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
       if (tile_start[mid] <= w) lo = mid; else hi = mid - 1;
     }
-    const int local = w - tile_start[lo], mt = local / n_tiles(g);
+    return lo;
+  }
+
+  __device__ __forceinline__ Tile row_tile_of(const Gemm1Args& g, int e, int mt,
+                                              int64_t n0) const {
     Tile t;
-    t.e = lo;
-    t.row0 = g.offsets[lo] + int64_t(mt) * kRows;
-    t.rows = min(kRows, g.counts[lo] - mt * kRows);
-    t.n0 = int64_t(local % n_tiles(g)) * kCols;
+    t.e = e;
+    t.row0 = g.offsets[e] + int64_t(mt) * kRows;
+    t.rows = min(kRows, g.counts[e] - mt * kRows);
+    t.n0 = n0;
+    t.rt = tile_start[e] / n_tiles(g) + mt;
     return t;
   }
 };

@@ -55,9 +55,8 @@ constexpr int kScaleStages = 4, kScaleBytes = kScaleStages * KS / kBlock;
 constexpr int kEpiTokens = 32;  // tokens per pass through the epilogue's staging
 constexpr int THREADS = 384;  // producer warpgroup + two consumer warpgroups
 constexpr int kTransformThreads = 96;  // warps 1-3 of the producer warpgroup
-// The transform's work items: quarters (kChunks) of a row tile's H; kBatch blocks' loads in flight
-// per thread (transform_row_tiles).
-constexpr int kChunks = 4, kBatch = 4;
+// The transform's work items: quarters (kChunks) of a row tile's H (transform_row_tiles).
+constexpr int kChunks = 4;
 constexpr int kEpiStride = 68;  // floats per staged token row: 8 * tig + g spreads a warp's stores
 static_assert(COLS == 128, "two consumer warpgroups");
 static_assert(kBf16TileTokens == 128 && kBf16SmallTileTokens == 32, "the wgmma shapes below");
@@ -169,12 +168,6 @@ __device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* p) {
   return v;
 }
 
-// Row tile rt of the call (row tiles numbered in work-item order) as a Tile (n0 = 0).
-template <class Scheduler>
-__device__ __forceinline__ Tile row_tile(const Gemm1Args& g, const Scheduler& sched, int rt) {
-  return sched.tile(g, rt * Scheduler::n_tiles(g));
-}
-
 // The loader warp: stage after stage, once its slot is free, the TMA loads of weights and bf16
 // token rows; every kScaleStages stages, once a scale slot is free, the weights' scales of the
 // next ones. Lane 0 issues, after a tile's row tile is flagged upcast (bounded wait).
@@ -185,7 +178,6 @@ __device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared<kTok>& sh
                                             const CUtensorMap* map_ws, int lane) {
   const int total = sched.total(g), num_k = int(g.H / KS);
   constexpr int STAGES = kStages<kTok>;
-  const int n_tiles = SchedulerFor<kSwiglu, kTok>::n_tiles(g);
   uint32_t issued = 0;
   for (int w = blockIdx.x; w < total; w += gridDim.x) {
     const Tile t = sched.tile(g, w);
@@ -194,7 +186,7 @@ __device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared<kTok>& sh
       // at most timeout_ns each, and none after the call's first expired), bounded here too; an
       // expiry is a broken protocol, not a slow peer: fail the launch loudly, never compute on
       // rows that are not there
-      const uint32_t* flag = g.xb_ready + w / n_tiles;
+      const uint32_t* flag = g.xb_ready + t.rt;
       const uint64_t deadline =
           timer_now() + (g.timeout_ns ? 2 * g.timeout_ns : 20000000000ull);
       while (ld_acquire_gpu(flag) < uint32_t(kChunks))
@@ -234,61 +226,75 @@ __device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared<kTok>& sh
   }
 }
 
-// One MX block of a token row (32 fp8 values in0, in1 and their scale e) -> 64 bytes of bf16 in
-// the workspace. K order: within each k16 step, the consumers' fragment order. A consumer thread
-// tig reads bytes 8 tig .. 8 tig + 7 of a weight block as words 2 tig (step 0) and 2 tig + 1
-// (step 1), bytes 0-1 of a word at k = 2 tig, 2 tig + 1 and bytes 2-3 at k = 8 + 2 tig, 9 + 2 tig
-// of its step (the mma A fragment layout); so 16-byte chunk q of the output (step q / 2, k 0-7 or
-// 8-15) holds bytes 0-1 (q even) or 2-3 (q odd) of words 2 tig + q / 2, tig = 0..3.
-__device__ __forceinline__ void upcast_block(const uint4& in0, const uint4& in1, uint32_t e,
+// The K order of a stage (128 elements: four MX blocks). `wgmma` sums over K in any order, so
+// a stage's K is permuted such that each consumer thread's A fragments come from ONE MX block of
+// its weight rows: thread tig of a quad reads block tig of the stage (32 bytes, two conflict-free
+// 16-byte loads; one scale byte per row and stage). Its fragments of logical block lb (the stage's
+// k 32 lb ..) are bytes 8 lb .. 8 lb + 7 of that block: word 2 lb (k16 step 0) and 2 lb + 1 (step
+// 1), bytes 0-1 of a word at k = 2 tig, 2 tig + 1 of the step and bytes 2-3 at k = 8 + 2 tig,
+// 9 + 2 tig (the mma A fragment layout). The tokens (wgmma's B, K-major in shared memory) take the
+// same order: logical block lb, step s, k 0-7 (q = 0) or 8-15 (q = 1) of a token row holds bytes
+// 0-1 (q = 0) or 2-3 (q = 1) of word 2 lb + s of blocks tig = 0..3.
+//
+// One stage of a token row (blocks in[tig] = 32 fp8 values, scale bytes e[tig]) -> 256 bytes of
+// bf16 in the workspace in that order.
+__device__ __forceinline__ void upcast_stage(const uint4 (&in)[4][2], const uint32_t (&e)[4],
                                              uint8_t* dst) {
-  const bool slow = !fast_scale(e);
-  const uint32_t f = factor_bf16x2(e, slow);
+  bool slow[4];
+  uint32_t f[4];
 #pragma unroll
-  for (int step = 0; step < 2; ++step) {
-    const uint32_t w[4] = {step ? in0.y : in0.x, step ? in0.w : in0.z, step ? in1.y : in1.x,
-                           step ? in1.w : in1.z};  // words 2 tig + step, tig = 0..3
-    uint32_t lo[4], hi[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) upcast4(w[i], f, slow, lo[i], hi[i]);
-    reinterpret_cast<uint4*>(dst)[2 * step] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
-    reinterpret_cast<uint4*>(dst)[2 * step + 1] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+  for (int b = 0; b < 4; ++b) {
+    slow[b] = !fast_scale(e[b]);
+    f[b] = factor_bf16x2(e[b], slow[b]);
   }
+#pragma unroll
+  for (int lb = 0; lb < 4; ++lb)
+#pragma unroll
+    for (int step = 0; step < 2; ++step) {
+      uint32_t lo[4], hi[4];
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        const uint4& v = in[b][lb / 2];  // bytes 16 (lb / 2) .. of block b
+        const uint32_t w = lb % 2 ? (step ? v.w : v.z) : (step ? v.y : v.x);
+        upcast4(w, f[b], slow[b], lo[b], hi[b]);
+      }
+      reinterpret_cast<uint4*>(dst)[4 * lb + 2 * step] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+      reinterpret_cast<uint4*>(dst)[4 * lb + 2 * step + 1] =
+          make_uint4(hi[0], hi[1], hi[2], hi[3]);
+    }
 }
 
-// The transform warps. Work items: (row tile, quarter of H) in work-item order, CTA b taking items
+// The transform warps. Work items: (row tile, quarter of H) in row tile order, CTA b taking items
 // b, b + gridDim.x, ...: an item is upcast once its expert's rows have landed (fused: warp 1 waits,
 // bounded), then counted on its row tile's flag; kChunks counts release the row tile to every
 // CTA's loader. Quarters let 4 CTAs share the first row tiles, which every CTA waits for at the
-// start; each thread keeps kBatch blocks' loads in flight (the loop is latency-bound). t: 0..95.
+// start; each thread upcasts one stage (four blocks, their loads in flight together: the loop is
+// latency-bound) of a row at a time. t: 0..95.
 template <class Scheduler>
 __device__ __forceinline__ void transform_row_tiles(const Gemm1Args& g, const Scheduler& sched,
                                                     int t) {
-  const int items = sched.total(g) / Scheduler::n_tiles(g) * kChunks, nblk = int(g.H / kBlock);
+  const int items = sched.total(g) / Scheduler::n_tiles(g) * kChunks, nks = int(g.H / KS);
   int ready = -1;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const int rt = item / kChunks, chunk = item % kChunks;
-    const Tile tile = row_tile(g, sched, rt);
-    const int b0 = chunk * nblk / kChunks, width = (chunk + 1) * nblk / kChunks - b0;
+    const Tile tile = sched.row_tile(g, rt);
+    const int s0 = chunk * nks / kChunks, width = (chunk + 1) * nks / kChunks - s0;
     if (t < kWarp) Scheduler::wait_arrival(g, tile.e, ready, t);
     transform_barrier();
-    const int n = tile.rows * width;  // (row, block) pairs i = r * width + block - b0
-    for (int i0 = t; i0 < n; i0 += kBatch * kTransformThreads) {
-      uint4 in[kBatch][2];
-      uint32_t e[kBatch];
-      int64_t at[kBatch];  // element offset of the block in the rows
+    const int n = tile.rows * width;  // (row, stage) pairs i = r * width + stage - s0
+    for (int i = t; i < n; i += kTransformThreads) {
+      const int64_t row = tile.row0 + i / width;
+      const int64_t at = row * g.H + int64_t(s0 + i % width) * KS;  // the stage's first element
+      const uint4* src = reinterpret_cast<const uint4*>(g.a + at);
+      uint4 in[4][2];
+      uint32_t e[4];
 #pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-        const int i = min(i0 + k * kTransformThreads, n - 1);  // (a repeat past n: same bytes)
-        const int64_t row = tile.row0 + i / width;
-        const int blk = b0 + i % width;
-        at[k] = row * g.H + blk * kBlock;
-        in[k][0] = reinterpret_cast<const uint4*>(g.a + at[k])[0];
-        in[k][1] = reinterpret_cast<const uint4*>(g.a + at[k])[1];
-        e[k] = g.a_scales[row * nblk + blk];
+      for (int b = 0; b < 4; ++b) {
+        in[b][0] = src[2 * b];
+        in[b][1] = src[2 * b + 1];
+        e[b] = g.a_scales[at / kBlock + b];
       }
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) upcast_block(in[k][0], in[k][1], e[k], g.xb + at[k] * 2);
+      upcast_stage(in, e, g.xb + at * 2);
     }
     asm volatile("fence.proxy.async.global;" ::: "memory");  // other CTAs' TMA reads them next
     transform_barrier();
@@ -323,48 +329,67 @@ __device__ __forceinline__ void fence_acc(float (&a)[M]) {
   for (int i = 0; i < M; ++i) asm volatile("" : "+f"(a[i])::"memory");
 }
 
-// The fragments of weight rows row_g = warp * 16 + g and row_g + 8 of the warpgroup's gate and up
-// halves, block blk, from their fp8 bytes v (8 each: word x is step 0, y step 1) and scale bytes e.
-template <bool kSlow>
-__device__ __forceinline__ void upcast_frags(Frags& f, const uint2 (&v)[2][2],
-                                             const uint32_t (&e)[2][2]) {
-#pragma unroll
-  for (int part = 0; part < 2; ++part) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint32_t fac = factor_bf16x2(e[part][h], kSlow);
-      // A registers: 0 = (row g, k 2tig..), 1 = (row g+8, k 2tig..), 2 = (row g, k 8+2tig..), 3
-      upcast4(v[part][h].x, fac, kSlow, f.r[part][0][h], f.r[part][0][2 + h]);
-      upcast4(v[part][h].y, fac, kSlow, f.r[part][1][h], f.r[part][1][2 + h]);
-    }
-  }
-}
+// A thread's weight bytes of half a stage (logical blocks 2 bp, 2 bp + 1; see upcast_stage):
+// [gate/up][row g, g + 8], and the factors of its rows' scale bytes of the stage.
+struct RawHalf {
+  uint4 v[2][2];
+};
+struct StageFactors {
+  uint32_t f[2][2];
+  bool slow;  // per warp: the two-step multiply (fast_scale)
+};
 
-// Block blk's fragments: the rows' bytes (bytes 8 tig .. 8 tig + 7 of the block) and their scale
-// bytes from the super-stage `sc` (sk: the stage's first), all loaded before anything waits on
-// them, then upcast. The two-step multiply (fast_scale) is chosen per warp: both forms give the
-// same bf16 wherever the one-step form applies, so a warp's choice does not change the result.
+// Rows row_g = warp * 16 + g and row_g + 8 of the warpgroup's gate and up halves: their block tig
+// of the stage, 16 bytes at a time (chunk 2 tig + bp: the 8 rows of a quarter warp's two row
+// groups land on 8 distinct chunks of the 128-byte swizzle, so no bank conflicts).
 template <bool kSwiglu>
-__device__ __forceinline__ void load_frags(Frags& f, uint32_t w_base, const ScaleStage& sc, int sk,
-                                           int cw, int row_g, int tig, int blk) {
-  const int c = blk * 2 + tig / 2, within = (tig & 1) * 8;
-  uint2 v[2][2];
-  uint32_t e[2][2];
+__device__ __forceinline__ void load_half(RawHalf& raw, uint32_t w_base, int cw, int row_g,
+                                          int tig, int bp) {
 #pragma unroll
   for (int part = 0; part < 2; ++part)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = stage_row<kSwiglu>(cw, part, row_g + 8 * h);
-      v[part][h] = lds64(w_base + r * KS + ((c ^ (r & 7)) << 4) + within);
-      e[part][h] = sc.w[r][sk + blk];
+      raw.v[part][h] = lds128(w_base + r * KS + (((2 * tig + bp) ^ (r & 7)) << 4));
     }
+}
+
+// The factors of the rows' scale bytes of the stage (sk: the stage's first in the super-stage
+// `sc`). The two-step multiply is chosen per warp: both forms give the same bf16 wherever the
+// one-step form applies, so a warp's choice does not change the result.
+template <bool kSwiglu>
+__device__ __forceinline__ void stage_factors(StageFactors& sf, const ScaleStage& sc, int sk,
+                                              int cw, int row_g, int tig) {
+  uint32_t e[2][2];
   bool slow = false;
 #pragma unroll
   for (int part = 0; part < 2; ++part)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) slow |= !fast_scale(e[part][h]);
-  if (__any_sync(0xFFFFFFFFu, slow)) upcast_frags<true>(f, v, e);
-  else upcast_frags<false>(f, v, e);
+    for (int h = 0; h < 2; ++h) {
+      e[part][h] = sc.w[stage_row<kSwiglu>(cw, part, row_g + 8 * h)][sk + tig];
+      slow |= !fast_scale(e[part][h]);
+    }
+  sf.slow = __any_sync(0xFFFFFFFFu, slow);
+#pragma unroll
+  for (int part = 0; part < 2; ++part)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) sf.f[part][h] = factor_bf16x2(e[part][h], sf.slow);
+}
+
+// Logical block lb's fragments (j = lb % 2: its half of raw's 16 bytes per row).
+template <bool kSlow>
+__device__ __forceinline__ void upcast_frags(Frags& f, const RawHalf& raw, const StageFactors& sf,
+                                             int j) {
+#pragma unroll
+  for (int part = 0; part < 2; ++part) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint4& v = raw.v[part][h];
+      // A registers: 0 = (row g, k 2tig..), 1 = (row g+8, k 2tig..), 2 = (row g, k 8+2tig..), 3
+      upcast4(j ? v.z : v.x, sf.f[part][h], kSlow, f.r[part][0][h], f.r[part][0][2 + h]);
+      upcast4(j ? v.w : v.y, sf.f[part][h], kSlow, f.r[part][1][h], f.r[part][1][2 + h]);
+    }
+  }
 }
 
 // Block blk of one stage: for each k16 step, gate and up rows times all kTok tokens of the tile
@@ -517,14 +542,19 @@ __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared<kTok>& s
     if (active) {
       const uint32_t w_base = smem_addr(sh.s[consumed % STAGES].w);
       const uint32_t b_base = smem_addr(sh.s[consumed % STAGES].x);
+      StageFactors sf;
+      stage_factors<kSwiglu>(sf, sc, sk, cw, row_g, tig);
+      RawHalf raw;
 #pragma unroll
       for (int blk = 0; blk < NB; ++blk) {
         Frags& f = blk % 2 ? f1 : f0;
+        if (blk % 2 == 0) load_half<kSwiglu>(raw, w_base, cw, row_g, tig, blk / 2);
         wgmma_wait<1>();  // the block before the previous one has retired: f is free
         fence_frags(f);
         // at block 1: the previous stage has retired, its slot is free
         if (blk == 1 && ks > 0) release(&sh.empty[(consumed - 1) % STAGES]);
-        load_frags<kSwiglu>(f, w_base, sc, sk, cw, row_g, tig, blk);
+        if (sf.slow) upcast_frags<true>(f, raw, sf, blk % 2);
+        else upcast_frags<false>(f, raw, sf, blk % 2);
         issue_block<kTok>(gate, up, f, b_base, blk);
       }
     } else if (ks > 0) {
