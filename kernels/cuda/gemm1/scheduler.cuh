@@ -39,9 +39,9 @@ struct Tile {
 // launch covers every expert with no host round trip. Within an expert the row tiles of one
 // column tile are consecutive items, so the CTAs that read the same weight rows run side by side
 // and all but the first find them in L2 (row tiles first let them drift apart: at dsv3, 256 rows
-// per expert, the weights came from DRAM ~1.8 times, docs/PERF.md §3). Fused with a dispatch, a CTA waits (bounded)
-// for an expert's arrival signals before the expert's first tile: each expert starts as soon as
-// its rows have landed.
+// per expert, the weights came from DRAM ~1.8 times, docs/PERF.md §3). Fused with a dispatch, a
+// CTA waits (bounded) for an expert's arrival signals before the expert's first tile: each
+// expert starts as soon as its rows have landed.
 static_assert(kMaxRanks <= kWarp, "wait_arrival reads one source per lane of a warp");
 
 // kRows landed rows x kCols output columns per tile.
