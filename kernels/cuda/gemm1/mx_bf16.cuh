@@ -1,0 +1,94 @@
+// Exact MX-fp8 -> bf16 in registers for the bf16 GEMM kernel (sm90_mx_bf16_rs.cu): an e4m3 byte
+// times its block's E8M0 scale is exactly a bf16, four bytes at a time; and the permuted K order
+// of a 128-deep stage, shared by the kernel's consumers (weights) and its transform (tokens).
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace jsm {
+namespace cuda {
+namespace gemm1 {
+namespace sm90_bf16 {
+
+// An e4m3 byte b as bf16 bits (sext16(b) << 4) & 0x87F0 is b's value times 2^-120 exactly: the
+// sign in place, the exponent and mantissa in bf16's low exponent bits and top mantissa bits (e4m3
+// subnormals become bf16 subnormals). One multiply by 2^(e - 7) then gives value * 2^(e - 127), the
+// dequantised element. That factor is a bf16 for e <= 134 (blocks with amax below 448 * 2^7); a
+// block with a larger scale or the NaN scale 0xFF multiplies twice (2^120, then 2^(e - 127) or
+// NaN).
+__device__ __forceinline__ bool fast_scale(uint32_t e) { return e <= 134; }
+
+// The factor of scale byte e in both halves: one multiply-add in the one-step form (2^(e - 7): the
+// bf16 exponent field e + 120); 2^(e - 127) for e = 0 is a bf16 subnormal, 0x0040.
+__device__ __forceinline__ uint32_t factor_bf16x2(uint32_t e, bool slow) {
+  const uint32_t bits =
+      !slow ? e * 128 + (120 << 7) : e == 0xFF ? 0x7FC0u : e == 0 ? 0x0040u : e << 7;
+  return bits * 0x10001u;
+}
+
+__device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm volatile("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// Four e4m3 bytes of w -> bf16x2 lo (bytes 0, 1) and hi (bytes 2, 3), dequantised by `factor`.
+__device__ __forceinline__ void upcast4(uint32_t w, uint32_t factor, bool slow, uint32_t& lo,
+                                        uint32_t& hi) {
+  uint32_t a, b;
+  asm volatile("prmt.b32 %0, %1, 0, 0x9180;" : "=r"(a) : "r"(w));  // b0, sign(b0), b1, sign(b1)
+  asm volatile("prmt.b32 %0, %1, 0, 0xB3A2;" : "=r"(b) : "r"(w));
+  a = (a << 4) & 0x87F087F0u;
+  b = (b << 4) & 0x87F087F0u;
+  if (slow) {
+    constexpr uint32_t k2p120 = 0x7B807B80u;  // bf16x2 2^120
+    a = mul_bf16x2(a, k2p120);
+    b = mul_bf16x2(b, k2p120);
+  }
+  lo = mul_bf16x2(a, factor);
+  hi = mul_bf16x2(b, factor);
+}
+
+// The K order of a stage (128 elements: four MX blocks). `wgmma` sums over K in any order, so
+// a stage's K is permuted such that each consumer thread's A fragments come from ONE MX block of
+// its weight rows: thread tig of a quad reads block tig of the stage (32 bytes, two conflict-free
+// 16-byte loads; one scale byte per row and stage). Its fragments of logical block lb (the stage's
+// k 32 lb ..) are bytes 8 lb .. 8 lb + 7 of that block: word 2 lb (k16 step 0) and 2 lb + 1 (step
+// 1), bytes 0-1 of a word at k = 2 tig, 2 tig + 1 of the step and bytes 2-3 at k = 8 + 2 tig,
+// 9 + 2 tig (the mma A fragment layout). The tokens (wgmma's B, K-major in shared memory) take the
+// same order: logical block lb, step s, k 0-7 (q = 0) or 8-15 (q = 1) of a token row holds bytes
+// 0-1 (q = 0) or 2-3 (q = 1) of word 2 lb + s of blocks tig = 0..3.
+//
+// One stage of a token row (blocks in[tig] = 32 fp8 values, scale bytes e[tig]) -> 256 bytes of
+// bf16 in the workspace in that order.
+__device__ __forceinline__ void upcast_stage(const uint4 (&in)[4][2], const uint32_t (&e)[4],
+                                             uint8_t* dst) {
+  bool slow[4];
+  uint32_t f[4];
+#pragma unroll
+  for (int b = 0; b < 4; ++b) {
+    slow[b] = !fast_scale(e[b]);
+    f[b] = factor_bf16x2(e[b], slow[b]);
+  }
+#pragma unroll
+  for (int lb = 0; lb < 4; ++lb)
+#pragma unroll
+    for (int step = 0; step < 2; ++step) {
+      uint32_t lo[4], hi[4];
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        const uint4& v = in[b][lb / 2];  // bytes 16 (lb / 2) .. of block b
+        const uint32_t w = lb % 2 ? (step ? v.w : v.z) : (step ? v.y : v.x);
+        upcast4(w, f[b], slow[b], lo[b], hi[b]);
+      }
+      reinterpret_cast<uint4*>(dst)[4 * lb + 2 * step] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+      reinterpret_cast<uint4*>(dst)[4 * lb + 2 * step + 1] =
+          make_uint4(hi[0], hi[1], hi[2], hi[3]);
+    }
+}
+
+}  // namespace sm90_bf16
+}  // namespace gemm1
+}  // namespace cuda
+}  // namespace jsm
