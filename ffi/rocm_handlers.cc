@@ -2,8 +2,9 @@
 // attribute lists of ffi/signatures.h, as on CUDA. The stages ROCm shares with CUDA are
 // ffi/gpu_handlers.h (their kernels: kernels/common/gpu_stages.cuh and gpu_stage2.cuh, compiled
 // for HIP by kernels/rocm/stages.hip and stage2.hip); engine sdma's dispatch and combine are
-// kernels/rocm/sdma; GEMM2 is the generic kernel of gpu_stage2.h; GEMM1 and the fused dispatch +
-// GEMM1 call the FlyDSL kernels (kernels/rocm/gemm1.h), built only with JSM_ROCM_FLYDSL.
+// kernels/rocm/sdma; GEMM1, the fused dispatch + GEMM1 and GEMM2 call the FlyDSL kernels
+// (kernels/rocm/gemm1.h), built only with JSM_ROCM_FLYDSL (without them GEMM2 is the generic
+// kernel of gpu_stage2.h and GEMM1 is not served).
 #include <hip/hip_runtime_api.h>
 
 #include <optional>
@@ -43,9 +44,10 @@ struct RocmEngines {
   }
 };
 
-// GEMM2 on ROCm: the generic kernel of kernels/common/gpu_stage2.h (a correctness path; a FlyDSL
-// GEMM2 from GEMM1's kernel is not built yet), after y's padding rows are zeroed. Like CUDA's, it
-// takes MX-fp8 rows of h (jsm.stage2 quantises bf16 h first on every platform).
+// GEMM2 on ROCm, after y's padding rows are zeroed: the FlyDSL GEMM1 kernel without SwiGLU
+// (kernels/rocm/gemm1.h), or where those kernels were not built the generic kernel of
+// kernels/common/gpu_stage2.h (a correctness path). Like CUDA's, it takes MX-fp8 rows of h
+// (jsm.stage2 quantises bf16 h first on every platform).
 ffi::Error Gemm2Impl(hipStream_t stream, ffi::AnyBuffer h, S32Vec expert_offsets,
                      S32Vec expert_counts, ffi::AnyBuffer w_values, ffi::AnyBuffer w_scales,
                      std::optional<ffi::AnyBuffer> h_scales, ffi::Result<ffi::AnyBuffer> y,
@@ -59,7 +61,13 @@ ffi::Error Gemm2Impl(hipStream_t stream, ffi::AnyBuffer h, S32Vec expert_offsets
                               jsm::handler::rows_of(h), static_cast<uint16_t*>(y->untyped_data())};
   jsm::gpu::launch_zero_padding_rows(g.offsets, g.counts, g.EL, g.m_cap, g.N * 2,
                                      reinterpret_cast<uint8_t*>(g.y), nullptr, 0, stream);
+#ifdef JSM_ROCM_FLYDSL
+  JSM_RETURN_IF_ERROR(jsm::gpu_handlers::last_error("gemm2 padding (ROCm)"));
+  const std::string err = g.m_cap == 0 ? "" : jsm::rocm::launch_gemm2(g, stream);
+  if (!err.empty()) return ffi::Error::Internal(err);
+#else
   jsm::gpu::launch_generic_gemm2(g, stream);
+#endif
   return jsm::gpu_handlers::last_error("gemm2 (ROCm)");
 }
 

@@ -128,6 +128,18 @@ class RocmGpuTest(parameterized.TestCase):
     for name, a, b in zip(outs[0]._fields, outs[0], outs[1]):
       np.testing.assert_array_equal(_util.as_bytes(a), _util.as_bytes(b), err_msg=name)
 
+  @parameterized.named_parameters(
+      ("mid_uniform", _util.MID_LAYER, 256, "uniform", None),
+      ("mid_skewed_limit", _util.MID_LAYER, 512, "skewed", 7.0),
+      ("small_masked", None, 128, "masked", None))
+  def test_moe_local(self, dims, T, routing, limit):
+    """R = 1: jsm.moe with engine local (the FlyDSL GEMM1 and GEMM2, the combine within the
+    rank) against reference.moe."""
+    s = jsm.SHAPES["small"]
+    H, I, E, K = dims or (s.hidden, s.intermediate, s.num_experts, s.topk)
+    mesh = jax.sharding.Mesh(np.array(GPUS[:1]), ("ep",))
+    _util.run_moe_on(self, mesh, "local", T, H, I, E, K, routing, limit)
+
   @absltest.skipIf(len(GPUS) < 2, "engine sdma needs two AMD GPUs or more")
   def test_stage1_sdma(self):
     """Every GPU of the machine: engine sdma against the reference, back to back (epochs and

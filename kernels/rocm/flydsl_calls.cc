@@ -1,6 +1,6 @@
 // The FlyDSL kernels' exported C functions (kernels/rocm/flydsl/, one object per target, each
-// embedding its code object) behind the contracts the handlers use: GEMM1 (kernels/rocm/gemm1.h)
-// and engine sdma's dispatch kernel (kernels/rocm/sdma/puts.h). The target is the current
+// embedding its code object) behind the contracts the handlers use: GEMM1 and GEMM2
+// (kernels/rocm/gemm1.h) and engine sdma's dispatch kernel (kernels/rocm/sdma/puts.h). The target is the current
 // device's gcnArchName ("gfx950:sramecc+:xnack-" -> gfx950); each call loads its module on the
 // device the first time (the exports' call_auto). Compiled where those objects were built
 // (JSM_ROCM_FLYDSL), against their generated headers.
@@ -11,6 +11,8 @@
 
 #include "gemm1_gfx942.h"
 #include "gemm1_gfx950.h"
+#include "gemm2_gfx942.h"
+#include "gemm2_gfx950.h"
 #include "kernels/common/gpu_compat.h"
 #include "kernels/rocm/gemm1.h"
 #include "kernels/rocm/sdma/puts.h"
@@ -50,12 +52,26 @@ std::string no_build(const char* what, const std::string& arch) {
          arch + "' (built: gfx942, gfx950)";
 }
 
+// gemm1.py's kernel for this device's target with SwiGLU (GEMM1) or without (GEMM2): the four
+// exports take the same arguments. "" or an error.
+template <class... Args>
+std::string call_gemm(const char* what, bool swiglu, Args... args) {
+  const std::string arch = device_arch();
+  int32_t status;
+  if (arch == "gfx950")
+    status = swiglu ? gemm1_gfx950_call_auto(args...) : gemm2_gfx950_call_auto(args...);
+  else if (arch == "gfx942")
+    status = swiglu ? gemm1_gfx942_call_auto(args...) : gemm2_gfx942_call_auto(args...);
+  else
+    return no_build(what, arch);
+  return launch_status(what, status, arch);
+}
+
 }  // namespace
 
 namespace rocm {
 
 std::string launch_gemm1(const Gemm1Call& c, hipStream_t stream) {
-  const std::string arch = device_arch();
   const sdma::SlotView* s = c.slot;
   void* a0 = const_cast<uint8_t*>(s ? s->values[0] : c.a);
   void* a1 = const_cast<uint8_t*>(s ? s->values[1] : c.a);
@@ -76,20 +92,24 @@ std::string launch_gemm1(const Gemm1Call& c, hipStream_t stream) {
   const int32_t blocks = s ? s->cus : gpu::num_sms();
   // h's padding rows are written by the caller (kernels/common/gpu_stages.h, the bytes CUDA
   // writes), so zero_padding = 0
-  int32_t status;
-  if (arch == "gfx950")
-    status = gemm1_gfx950_call_auto(a0, a1, as0, as1, offsets, counts, w, ws, h, hs, c.EL,
-                                    int32_t(c.H), int32_t(c.I), int32_t(c.m_cap), c.opt.has_limit,
-                                    c.opt.swiglu_limit, 0, epoch, arrival0, arrival1, ranks, ticks,
-                                    err, blocks, stream);
-  else if (arch == "gfx942")
-    status = gemm1_gfx942_call_auto(a0, a1, as0, as1, offsets, counts, w, ws, h, hs, c.EL,
-                                    int32_t(c.H), int32_t(c.I), int32_t(c.m_cap), c.opt.has_limit,
-                                    c.opt.swiglu_limit, 0, epoch, arrival0, arrival1, ranks, ticks,
-                                    err, blocks, stream);
-  else
-    return no_build("gemm1", arch);
-  return launch_status("gemm1", status, arch);
+  return call_gemm("gemm1", true, a0, a1, as0, as1, offsets, counts, w, ws, h, hs, c.EL,
+                   int32_t(c.H), int32_t(c.I), int32_t(c.m_cap), int32_t(c.opt.has_limit),
+                   c.opt.swiglu_limit, int32_t(0), epoch, arrival0, arrival1, ranks, ticks, err,
+                   blocks, stream);
+}
+
+std::string launch_gemm2(const gpu::Gemm2Rows& g, hipStream_t stream) {
+  // the kernel's depth H is GEMM2's K, its output columns I are N; bf16 y (no scales), no limit,
+  // not fused, y's padding rows the caller's (zero_padding = 0)
+  void* a = const_cast<uint8_t*>(g.a);
+  void* as = const_cast<uint8_t*>(g.a_scales);
+  return call_gemm("gemm2", false, a, a, as, as, const_cast<int32_t*>(g.offsets),
+                   const_cast<int32_t*>(g.counts), const_cast<uint8_t*>(g.w),
+                   const_cast<uint8_t*>(g.w_scales), static_cast<void*>(g.y),
+                   static_cast<void*>(nullptr), int32_t(g.EL), int32_t(g.K), int32_t(g.N),
+                   int32_t(g.m_cap), int32_t(0), 0.0f, int32_t(0), static_cast<void*>(nullptr),
+                   static_cast<void*>(nullptr), static_cast<void*>(nullptr), int32_t(0),
+                   int64_t(0), static_cast<void*>(nullptr), gpu::num_sms(), stream);
 }
 
 }  // namespace rocm

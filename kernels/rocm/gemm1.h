@@ -1,8 +1,9 @@
-// GEMM1 + SwiGLU on ROCm (DESIGN.md §3): the FlyDSL kernels of kernels/rocm/flydsl/ (gfx950:
-// MX-scaled MFMA; gfx942: its fp8 MFMA reads e4m3fnuz, so the kernel converts the contract's
-// e4m3fn bytes), one code object per target linked into the extension and chosen by the device's
-// gcnArchName. launch_gemm1 (kernels/rocm/flydsl_calls.cc) adapts them; it exists in builds where
-// those objects were built (JSM_ROCM_FLYDSL).
+// GEMM1 + SwiGLU and GEMM2 on ROCm (DESIGN.md §3): the FlyDSL kernel of kernels/rocm/flydsl/
+// gemm1.py (gfx950: MX-scaled MFMA; gfx942: its fp8 MFMA reads e4m3fnuz, so the kernel converts
+// the contract's e4m3fn bytes), with and without SwiGLU, one code object per target linked into
+// the extension and chosen by the device's gcnArchName. launch_gemm1 and launch_gemm2
+// (kernels/rocm/flydsl_calls.cc) adapt them; they exist in builds where those objects were built
+// (JSM_ROCM_FLYDSL).
 #pragma once
 
 #include <hip/hip_runtime_api.h>
@@ -11,6 +12,7 @@
 
 #include <string>
 
+#include "kernels/common/gpu_stage2.h"
 #include "kernels/common/options.h"
 #include "kernels/rocm/sdma/engine.h"
 
@@ -41,6 +43,9 @@ struct Gemm1Call {
 // Enqueues GEMM1 on `stream` for the device's architecture (its padding rows are the caller's);
 // "" or an error.
 std::string launch_gemm1(const Gemm1Call& c, hipStream_t stream);
+
+// Enqueues GEMM2 (g.y's padding rows are the caller's) on `stream`; "" or an error.
+std::string launch_gemm2(const gpu::Gemm2Rows& g, hipStream_t stream);
 
 }  // namespace rocm
 }  // namespace jsm

@@ -15,7 +15,7 @@ from mori's CCO device bitcode for the same arch: --mori-cco-bc names it (mori's
 src/cco/device/cco_device_wrapper.cpp built with -DBUILD_CCO_SDMA=1 -fgpu-rdc -emit-llvm);
 --mori-python names the folder holding mori's Python package when `import mori` does not find it
 (an unpacked amd-mori wheel). Without --mori-cco-bc (and MORI_CCO_BC unset) sdma_dispatch cannot
-be built and the run fails; `--only gemm1` builds the GEMM alone.
+be built and the run fails; `--only gemm1 --only gemm2` builds the GEMMs alone.
 
 Exit status 0 only when every kernel compiled and every code object embedded in the exports is an
 AMDGPU ELF for the requested arch (checked here, see verify_objects).
@@ -27,7 +27,7 @@ import sys
 import types
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-KERNELS = ("gemm1", "sdma_dispatch")  # exported as <kernel>_<arch>
+KERNELS = ("gemm1", "gemm2", "sdma_dispatch")  # exported as <kernel>_<arch>
 ARCHS = ("gfx942", "gfx950")
 # ELF e_flags mach field of an AMDGPU code object (llvm/BinaryFormat/ELF.h EF_AMDGPU_MACH_*)
 EF_AMDGPU_MACH = {"gfx942": 0x4C, "gfx950": 0x4F}
@@ -111,13 +111,14 @@ def export(compiled, out, kernel, arch):
     print(f"wrote {obj} ({n} AMDGPU code object(s), {arch}) and {os.path.join(out, name + '.h')}")
 
 
-def build_gemm1(arch, out):
+def build_gemm(arch, out, swiglu):
+    """GEMM1 + SwiGLU (swiglu) or GEMM2: gemm1.py's kernel either way."""
     import flydsl.compiler as flyc
 
     import gemm1
 
-    compiled = flyc.compile(gemm1.make_gemm1(arch), *gemm1.placeholder_args())
-    export(compiled, out, "gemm1", arch)
+    compiled = flyc.compile(gemm1.make_gemm(arch, swiglu), *gemm1.placeholder_args(swiglu))
+    export(compiled, out, "gemm1" if swiglu else "gemm2", arch)
 
 
 def build_sdma(arch, out):
@@ -130,7 +131,8 @@ def build_sdma(arch, out):
     export(compiled, out, "sdma_dispatch", arch)
 
 
-BUILDERS = {"gemm1": build_gemm1, "sdma_dispatch": build_sdma}
+BUILDERS = {"gemm1": lambda arch, out: build_gemm(arch, out, True),
+            "gemm2": lambda arch, out: build_gemm(arch, out, False), "sdma_dispatch": build_sdma}
 
 
 def main(argv=None):

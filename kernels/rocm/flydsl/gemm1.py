@@ -3,6 +3,10 @@
 
     h[r, :] = SwiGLU(A[r, :] @ W[e, 0:I, :]^T, A[r, :] @ W[e, I:2I, :]^T)   for r in expert e's rows
 
+The same kernel without SwiGLU is GEMM2 (make_gemm(arch, swiglu=False), as on CUDA): W [EL, I, H]
+with I the output columns (the model's hidden size) and H the depth (the expert's intermediate
+size), y[r, :] = A[r, :] @ W[e]^T in bf16, tiles of 2 * BN plain columns.
+
 A: a_values [M_cap, H] OCP e4m3fn bytes + a_scales [M_cap, H/32] E8M0; rows of local expert e are
 [expert_offsets[e], + expert_counts[e]). W: w_values [EL, 2I, H] (rows [0, I) gate, [I, 2I) up)
 + w_scales [EL, 2I, H/32]. h: [M_cap, I] bf16 (RNE), or MX-fp8 along I (values [M_cap, I] +
@@ -279,7 +283,24 @@ def _store_tile(acc, h, h_scales, mx_out, row0, rows, n0, I, has_limit, limit, w
 # ----------------------------------------------------------------------------------------------
 # one tile
 # ----------------------------------------------------------------------------------------------
-def _make_do_tile(plan):
+@flyc.jit
+def _store_plain_tile(acc, h, row0, rows, n0, I, wm, wn, lane16, lane_group):
+    """GEMM2's epilogue: the wave's 4 column blocks are 64 consecutive output columns, bf16 (RNE)."""
+    col0 = n0 + wn * fx.Int32(2 * WAVE_N)
+    for i in range_constexpr(MSUB):
+        for v in range_constexpr(4):
+            r = wm * fx.Int32(WAVE_M) + fx.Int32(i * 16) + lane_group * fx.Int32(4) + fx.Int32(v)
+            row = fx.Int64(row0 + r)
+            for jj in range_constexpr(2 * NSUB):
+                col = col0 + fx.Int32(jj * 16) + lane16
+                if (r < rows) & (col < I):
+                    dev.store_bf16(h + (row * fx.Int64(I) + fx.Int64(col)) * fx.Int64(2),
+                                   fx.Float32(acc[i * 2 * NSUB + jj][v]).to(fx.BFloat16))
+
+
+def _make_do_tile(plan, swiglu):
+    """One tile of GEMM1 (swiglu: BN gate + BN up weight rows, SwiGLU) or GEMM2 (2 BN plain
+    weight rows and output columns)."""
     mma_step = _mma_step_gfx950 if plan.arch == "gfx950" else _mma_step_gfx942
 
     @flyc.jit
@@ -292,10 +313,11 @@ def _make_do_tile(plan):
         lane16, lane_group = lane & fx.Int32(15), lane >> fx.Int32(4)
         hb = H // fx.Int32(MX_BLOCK)
         # buffer resources: the tile's landed rows (reads of rows >= rows give 0) and the expert's
-        # weights (gate rows past I read up rows, up rows past 2I give 0: neither is stored)
+        # weights (GEMM1: gate rows past I read up rows, up rows past 2I give 0; GEMM2: rows past
+        # I give 0; none of them is stored)
         a_rsrc = dev.buffer_rsrc(a + fx.Int64(row0) * fx.Int64(H), fx.Int64(rows) * fx.Int64(H))
         as_rsrc = dev.buffer_rsrc(a_scales + fx.Int64(row0) * fx.Int64(hb), fx.Int64(rows) * fx.Int64(hb))
-        w_rows = fx.Int64(2) * fx.Int64(I)
+        w_rows = fx.Int64(2 if swiglu else 1) * fx.Int64(I)
         w_rsrc = dev.buffer_rsrc(w + fx.Int64(e) * w_rows * fx.Int64(H), w_rows * fx.Int64(H))
         ws_rsrc = dev.buffer_rsrc(w_scales + fx.Int64(e) * w_rows * fx.Int64(hb), w_rows * fx.Int64(hb))
         if const_expr(plan.arch == "gfx950"):
@@ -310,9 +332,12 @@ def _make_do_tile(plan):
             voffs.append(row * H + lane_k)
             svoffs.append(row * hb + lane_kb)
         for jj in range_constexpr(2 * NSUB):
-            wrow = n0 + wn * fx.Int32(WAVE_N) + fx.Int32((jj % NSUB) * 16) + lane16
-            if const_expr(jj >= NSUB):
-                wrow = wrow + I
+            if const_expr(swiglu):
+                wrow = n0 + wn * fx.Int32(WAVE_N) + fx.Int32((jj % NSUB) * 16) + lane16
+                if const_expr(jj >= NSUB):
+                    wrow = wrow + I
+            else:
+                wrow = n0 + wn * fx.Int32(2 * WAVE_N) + fx.Int32(jj * 16) + lane16
             rsrcs.append(w_rsrc)
             srsrcs.append(ws_rsrc)
             voffs.append(wrow * H + lane_k)
@@ -334,8 +359,11 @@ def _make_do_tile(plan):
             valid = _lane_valid_k(plan, full_steps, hb, lane_group)
             tail = _load_step(plan, rsrcs, voffs, srsrcs, svoffs, full_steps, valid)
             acc = mma_step(acc, tail)
-        _store_tile(acc, h, h_scales, mx_out, row0, rows, n0, I, has_limit, limit, wm, wn, lane,
-                    lane16, lane_group)
+        if const_expr(swiglu):
+            _store_tile(acc, h, h_scales, mx_out, row0, rows, n0, I, has_limit, limit, wm, wn,
+                        lane, lane16, lane_group)
+        else:
+            _store_plain_tile(acc, h, row0, rows, n0, I, wm, wn, lane16, lane_group)
 
     return do_tile
 
@@ -366,10 +394,13 @@ def zero_padding_rows(offsets, counts, h, h_scales, mx_out, EL, I, M_cap, nb):
         prev_end = end
 
 
-def make_gemm1(arch):
-    """The @flyc.jit launcher of the grouped GEMM1 + SwiGLU for `arch` (gfx942 or gfx950)."""
+def make_gemm(arch, swiglu=True):
+    """The @flyc.jit launcher of the grouped GEMM1 + SwiGLU (swiglu) or GEMM2 for `arch` (gfx942
+    or gfx950). GEMM2 takes the same arguments: I its output columns, H its depth, bf16 h (h_scales
+    null), no limit; fused with an arrival (epoch_counter) like GEMM1, though no engine asks."""
     plan = ArchPlan(arch)
-    do_tile = _make_do_tile(plan)
+    do_tile = _make_do_tile(plan, swiglu)
+    tile_cols = BN if swiglu else 2 * BN  # output columns per tile
 
     @flyc.kernel(known_block_size=[THREADS, 1, 1])
     def gemm1_kernel(a_values0: fx.Pointer, a_values1: fx.Pointer, a_scales0: fx.Pointer,
@@ -403,7 +434,7 @@ def make_gemm1(arch):
         if zero_padding != fx.Int32(0):
             zero_padding_rows(offsets, counts, h_addr, hs_addr, mx_out, EL, I, M_cap, nb)
 
-        n_tiles = (I + fx.Int32(BN - 1)) // fx.Int32(BN)
+        n_tiles = (I + fx.Int32(tile_cols - 1)) // fx.Int32(tile_cols)
         base = fx.Int32(0)  # work items of the experts before e
         for e in range(fx.Int32(0), EL, fx.Int32(1)):
             off = dev.load_uniform_i32(offsets + fx.Int64(e) * fx.Int64(4))
@@ -429,7 +460,7 @@ def make_gemm1(arch):
                     row0 = off + m_tile * fx.Int32(BM)
                     rows = fx.min(cnt - m_tile * fx.Int32(BM), fx.Int32(BM))
                     do_tile(a, a_sc, w_addr, ws_addr, h_addr, hs_addr, mx_out, e, row0, rows,
-                            n_tile * fx.Int32(BN), H, I, limited, swiglu_limit)
+                            n_tile * fx.Int32(tile_cols), H, I, limited, swiglu_limit)
             base = base + items
 
     @flyc.jit
@@ -450,8 +481,10 @@ def make_gemm1(arch):
     return gemm1
 
 
-def placeholder_args():
-    """Arguments that specialise the compile without a device (null pointers, sample scalars)."""
+def placeholder_args(swiglu=True):
+    """Arguments that specialise the compile without a device (null pointers, sample scalars:
+    dsv3's GEMM1, H 7168 -> I 2048, or its GEMM2, 2048 -> 7168)."""
     ptr = lambda: flyc.from_c_void_p(fx.Uint8, None, assumed_align=16)  # noqa: E731
-    return [ptr() for _ in range(10)] + [8, 7168, 2048, 1024, 0, 0.0, 1] + \
+    depth, cols = (7168, 2048) if swiglu else (2048, 7168)
+    return [ptr() for _ in range(10)] + [8, depth, cols, 1024, 0, 0.0, 1] + \
         [ptr(), ptr(), ptr(), 8, 6_000_000_000, ptr(), 304]
