@@ -72,12 +72,19 @@ def stage1_fn(m, rt, axis="ep", check=False, with_weights=True):
   return jax.jit(jax.shard_map(body, mesh=m, in_specs=P(axis), out_specs=P(axis)))
 
 
+# The references, jitted: one compile per shape instead of one per jnp operation (run eagerly, a
+# reference compiles each of its operations for every new shape, for the device it runs on).
+_STATIC = ("row_align", "cap", "swiglu_limit", "out_dtype")
+_reference_stage1 = jax.jit(jsm.reference.stage1, static_argnames=_STATIC + ("return_f32",))
+_reference_moe = jax.jit(jsm.reference.moe, static_argnames=_STATIC)
+
+
 def reference(x, ids, weights, w1q, R, cfg, T, cap=None):
   K = ids.shape[-1]
   EL = w1q.values.shape[0] // R
   cap = cap or jsm.layout.m_cap(R, T, K, EL, cfg.row_align, cfg.max_recv_rows)
   xr = jax.tree.map(lambda a: a.reshape(R, T, *a.shape[1:]), x)
-  return jsm.reference.stage1(
+  return _reference_stage1(
       xr, ids.reshape(R, T, K), None if weights is None else weights.reshape(R, T, K), w1q,
       row_align=cfg.row_align, cap=cap, swiglu_limit=cfg.swiglu_limit, out_dtype=cfg.out_dtype,
       return_f32=True)
@@ -266,7 +273,7 @@ def reference_y(x, ids, weights, w1q, w2q, num_ranks, cfg, T):
   EL = w1q.values.shape[0] // num_ranks
   cap = jsm.layout.m_cap(num_ranks, T, K, EL, cfg.row_align, cfg.max_recv_rows)
   xr = jax.tree.map(lambda a: a.reshape(num_ranks, T, *a.shape[1:]), x)
-  return np.asarray(jsm.reference.moe(
+  return np.asarray(_reference_moe(
       xr, ids.reshape(num_ranks, T, K),
       None if weights is None else weights.reshape(num_ranks, T, K), w1q, w2q,
       row_align=cfg.row_align, cap=cap, swiglu_limit=cfg.swiglu_limit, out_dtype=cfg.out_dtype))
