@@ -1,7 +1,8 @@
 // Device helpers of the window engines' protocols (kernels/common/ep_window.h), one source for
 // CUDA (engines ce, sm) and HIP (engine sdma): system-scope acquire / release of a flag, the
-// clock of the bounded waits, the pause between polls, the record of an expired wait, and 16-byte
-// and 8-byte loads of what another GPU may have stored.
+// clock of the bounded waits, the pause between polls, the record of an expired wait, a block's
+// bounded wait for a set of flags, and 16-byte and 8-byte loads of what another GPU may have
+// stored.
 #pragma once
 
 #include <stdint.h>
@@ -62,6 +63,48 @@ __device__ __forceinline__ void record_wait_error(EpError* err, uint32_t code, u
   e->epoch = epoch;
   __threadfence_system();
   e->code = code;
+}
+
+// Who a flag stands for in an expired wait's record (ep_errors.h: peer, expert).
+struct WaitWho {
+  uint32_t peer, expert;
+};
+
+// Every thread of a block calls it: waits (bounded) until flags[i] has reached `epoch` for every
+// i < n. The first kPollers threads poll (0: every thread; one warp keeps a grid of blocks from
+// flooding L2 with system-scope loads while the rows they wait for are still being stored), with
+// pause() between polls. True once all have. False once `timeout` (timer_now()'s unit) has passed,
+// the first missing i recorded as `code` with who(i); with kStopIfFailed, false also at the first
+// miss if a wait of this call already ran out (err->code != 0: host memory, read once, not by
+// every block at every poll): the call is failed, and waiting again would only delay the error.
+template <int kPollers, bool kStopIfFailed, class N, class Who, class Pause>
+__device__ __forceinline__ bool wait_flags_block(const uint32_t* flags, N n, uint32_t epoch,
+                                                 uint64_t timeout, EpError* err, uint32_t code,
+                                                 Who who, Pause pause) {
+  const uint64_t deadline = timer_now() + timeout;
+  for (bool first = true;; first = false) {
+    bool ok = true;
+    int missing = -1;
+    if (kPollers == 0) {
+      for (int i = threadIdx.x; i < n; i += blockDim.x)
+        if (!epoch_reached(ld_acquire_sys(flags + i), epoch)) ok = false, missing = i;
+    } else {
+      for (int i = threadIdx.x; i < n && threadIdx.x < kPollers; i += kPollers)
+        if (!epoch_reached(ld_acquire_sys(flags + i), epoch)) ok = false, missing = i;
+    }
+    if (__syncthreads_and(ok)) return true;
+    if (kStopIfFailed && first &&
+        __syncthreads_or(threadIdx.x == 0 && static_cast<volatile EpError*>(err)->code != 0))
+      return false;
+    if (__syncthreads_or(threadIdx.x == 0 && timer_now() > deadline)) {
+      if (missing >= 0) {
+        const WaitWho w = who(missing);
+        record_wait_error(err, code, w.peer, w.expert, epoch);
+      }
+      return false;
+    }
+    pause();
+  }
 }
 #endif
 

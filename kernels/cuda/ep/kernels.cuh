@@ -68,20 +68,9 @@ __device__ __forceinline__ void block_copy(uint8_t* __restrict__ dst,
 // source; false (and the error recorded) on timeout. All threads of the block call it.
 __device__ bool wait_plan(const EpArgs& a, uint32_t epoch) {
   uint8_t* own = a.peers.base[a.rank];
-  const uint32_t* flags = at<uint32_t>(own, a.L.plan_flag[epoch & 1]);
-  const uint64_t deadline = timer_now() + a.timeout_ns;
-  for (;;) {
-    bool ok = true;
-    int missing = -1;
-    for (int s = threadIdx.x; s < a.g.R; s += blockDim.x)
-      if (!epoch_reached(ld_acquire_sys(flags + s), epoch)) ok = false, missing = s;
-    if (__syncthreads_and(ok)) return true;
-    if (__syncthreads_or(threadIdx.x == 0 && timer_now() > deadline)) {  // block-uniform
-      if (missing >= 0) record_wait_error(a.err, 1, missing, 0, epoch);
-      return false;
-    }
-    __nanosleep(500);
-  }
+  return wait_flags_block<0, false>(
+      at<uint32_t>(own, a.L.plan_flag[epoch & 1]), a.g.R, epoch, a.timeout_ns, a.err, 1,
+      [](int s) { return WaitWho{uint32_t(s), 0}; }, [] { __nanosleep(500); });
 }
 
 // Shared-memory layout of every destination for this source: base row and rows kept of each
@@ -214,28 +203,13 @@ __global__ void ep_rows_kernel(const EpArgs a, LandedView out, bool absent, bool
   for (int e = threadIdx.x; e < EL; e += blockDim.x)
     offsets[e] = out.expert_offsets[e], counts[e] = out.expert_counts[e];
   if (!absent) {
-    const uint32_t* flags = at<const uint32_t>(own, a.L.seg_flag[p]);
-    const uint64_t deadline = timer_now() + a.timeout_ns;
-    for (bool first = true;; first = false) {
-      bool ok = true;
-      int missing = -1;
-      // warp 0 polls: every resident block polling with all its threads floods L2 with
-      // system-scope loads while the rows it waits for are still being stored
-      for (int i = threadIdx.x; i < R * EL && threadIdx.x < kWarp; i += kWarp)
-        if (!epoch_reached(ld_acquire_sys(flags + i), epoch)) ok = false, missing = i;
-      if (__syncthreads_and(ok)) break;
-      // not all there: if a wait of this call already ran out (the plan's, the GEMM's), the call
-      // is failed, so don't wait again. Read only here: the error word is host memory, and a
-      // read of it by each of the grid's 528 blocks first cost 0.5 ms per call (2xH200)
-      if (first && __syncthreads_or(threadIdx.x == 0 &&
-                                    static_cast<volatile EpError*>(a.err)->code != 0))
-        break;
-      if (__syncthreads_or(threadIdx.x == 0 && timer_now() > deadline)) {
-        if (missing >= 0) record_wait_error(a.err, 2, missing % R, missing / R, epoch);
-        break;  // the rows are not trusted; the error surfaces at the next host check
-      }
-      __nanosleep(1000);
-    }
+    // the (expert, source) flags, warp 0 polling; the call already failed (the plan's wait, the
+    // GEMM's): no wait (reading the host-memory error word in each of the grid's 528 blocks at
+    // every poll cost 0.5 ms per call, 2xH200). On expiry the rows are not trusted; the error
+    // surfaces at the next host check.
+    wait_flags_block<kWarp, true>(
+        at<const uint32_t>(own, a.L.seg_flag[p]), R * EL, epoch, a.timeout_ns, a.err, 2,
+        [R](int i) { return WaitWho{uint32_t(i % R), uint32_t(i / R)}; }, [] { poll_pause(); });
   }
   __syncthreads();
   const uint8_t* values = at<const uint8_t>(own, a.L.values[p]);

@@ -25,9 +25,12 @@ using jsm::RowHeader;
 
 #ifdef __CUDACC__
 using gpu::ld_acquire_sys;
+using gpu::poll_pause;
 using gpu::record_wait_error;
 using gpu::st_release_sys;
 using gpu::timer_now;
+using gpu::wait_flags_block;
+using gpu::WaitWho;
 #endif
 
 }  // namespace cuda

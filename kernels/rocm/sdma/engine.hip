@@ -24,7 +24,10 @@ namespace {
 using gpu::kWarp;
 
 using gpu::ld_acquire_sys;
+using gpu::poll_pause;
 using gpu::record_wait_error;
+using gpu::wait_flags_block;
+using gpu::WaitWho;
 
 __device__ __forceinline__ uint32_t call_epoch(const SdmaArgs& a) {
   return *static_cast<volatile const uint32_t*>(at<uint32_t>(a.peers.base[a.rank],
@@ -56,23 +59,9 @@ __global__ void sdma_layout_kernel(const SdmaArgs a, LandedView out, bool absent
   const int p = int(epoch & 1);
   bool plan_ok = false;
   if (!absent) {
-    const uint32_t* flags = at<const uint32_t>(own, a.L.ep.plan_flag[p]);
-    const uint64_t deadline = wall_clock64() + a.timeout_ticks;
-    for (;;) {
-      bool ok = true;
-      int missing = -1;
-      for (int s = threadIdx.x; s < R; s += blockDim.x)
-        if (!epoch_reached(ld_acquire_sys(flags + s), epoch)) ok = false, missing = s;
-      if (__syncthreads_and(ok)) {
-        plan_ok = true;
-        break;
-      }
-      if (__syncthreads_or(threadIdx.x == 0 && uint64_t(wall_clock64()) > deadline)) {
-        if (missing >= 0) record_wait_error(a.err, 1, missing, 0, epoch);
-        break;
-      }
-      __builtin_amdgcn_s_sleep(8);
-    }
+    plan_ok = wait_flags_block<0, false>(
+        at<const uint32_t>(own, a.L.ep.plan_flag[p]), R, epoch, a.timeout_ticks, a.err, 1,
+        [](int s) { return WaitWho{uint32_t(s), 0}; }, [] { __builtin_amdgcn_s_sleep(8); });
   }
   const int32_t* plan = at<const int32_t>(own, a.L.ep.plan[p]);
   for (int e = threadIdx.x; e < EL; e += blockDim.x) {
@@ -107,26 +96,10 @@ __global__ void sdma_rows_kernel(const SdmaArgs a, LandedView out, bool absent, 
   for (int e = threadIdx.x; e < EL; e += blockDim.x)
     offsets[e] = out.expert_offsets[e], counts[e] = out.expert_counts[e];
   if (!absent) {
-    const uint32_t* flags = at<const uint32_t>(own, a.L.ep.seg_flag[p]);
-    const uint64_t deadline = wall_clock64() + a.timeout_ticks;
-    for (bool first = true;; first = false) {
-      bool ok = true;
-      int missing = -1;
-      for (int i = threadIdx.x; i < R * EL && threadIdx.x < kWarp; i += kWarp)
-        if (!epoch_reached(ld_acquire_sys(flags + i), epoch)) ok = false, missing = i;
-      if (__syncthreads_and(ok)) break;
-      // not all there: if a wait of this call already ran out (the plan's), the call is failed,
-      // so don't wait again. Read only here: the error word is host memory (CUDA's
-      // ep_rows_kernel lost ~0.5 ms per call to every block reading it first)
-      if (first && __syncthreads_or(threadIdx.x == 0 &&
-                                    static_cast<volatile EpError*>(a.err)->code != 0))
-        break;
-      if (__syncthreads_or(threadIdx.x == 0 && uint64_t(wall_clock64()) > deadline)) {
-        if (missing >= 0) record_wait_error(a.err, 2, missing % R, missing / R, epoch);
-        break;
-      }
-      __builtin_amdgcn_s_sleep(16);
-    }
+    // warp 0 polls; no wait once the call failed (the plan's wait): as CUDA's ep_rows_kernel
+    wait_flags_block<kWarp, true>(
+        at<const uint32_t>(own, a.L.ep.seg_flag[p]), R * EL, epoch, a.timeout_ticks, a.err, 2,
+        [R](int i) { return WaitWho{uint32_t(i % R), uint32_t(i / R)}; }, [] { poll_pause(); });
   }
   __syncthreads();
   const uint8_t* values = at<const uint8_t>(own, a.L.ep.values[p]);
