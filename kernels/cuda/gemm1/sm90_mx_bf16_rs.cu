@@ -5,15 +5,16 @@
 // The fp8 kernel's per-32 promotion (FMUL + FFMA per accumulator and block) capped it near half
 // the fp8 rate; here the tensor cores run a plain deep pipeline and the cost moves to the upcasts.
 //
-// Roles (one CTA per SM, persistent over (expert, token tile, column tile) work items):
+// Roles (one CTA per SM, persistent over (expert, column tile, token tile) work items,
+// scheduler.cuh):
 // - weights are the M side of `wgmma` and come from registers: each consumer warpgroup owns 64 gate
 //   + 64 up weight rows (the same 64 output columns, so SwiGLU pairs accumulators of one thread),
 //   loads its fragments as fp8 from shared memory and upcasts them (upcast4) just before issuing;
 // - tokens are the N side (128 per tile) and come from shared memory as bf16, upcast ONCE per call
 //   into the workspace (g.xb) by the producer warpgroup's three transform warps, each CTA taking
 //   row tiles round-robin (every column tile of a row tile reads the same bf16 rows: upcasting in
-//   each tile cost 16x the work and starved the consumers, docs/PERF.md §3). A row tile's flag
-//   (g.xb_ready) releases it to the loaders of every CTA;
+//   each tile cost 16x the work and starved the consumers). A row tile's flag (g.xb_ready)
+//   releases it to the loaders of every CTA;
 // - the loader warp brings, stage by stage, fp8 weight rows and bf16 token rows by TMA into one
 //   ring, and every kScaleStages stages the weights' scales.
 // Consumers turn the weights' scale bytes into bf16 factors themselves and free a stage once its
