@@ -25,11 +25,16 @@ def cuda_objects(name, srcs, hdrs, archs, copts, nvcc_opts, defines, tags = [], 
     for src in srcs:
         obj = "_objs/%s/%s.pic.o" % (name, src[:-len(".cu")])
         if HAVE_CUDA:
+            # nvcc names its temporary files after its PID (tmpxft_<pid>_...), and sandboxed
+            # actions run in PID namespaces over one /tmp: two concurrent nvcc of PID 2 took each
+            # other's files. Each action gets its own TMPDIR.
             cmd = " ".join([
+                "t=$$(mktemp -d) && TMPDIR=$$t",
                 NVCC,
                 # CMake's Release: -DNDEBUG (-c opt, the .bazelrc's default)
                 "$$([ $(COMPILATION_MODE) = opt ] && echo -DNDEBUG)",
-            ] + flags + ["-c $(location %s) -o $@" % src])
+            ] + flags + ["-c $(location %s) -o $@;" % src,
+                         "rc=$$?; rm -rf $$t; exit $$rc"])
         else:
             cmd = ("echo 'cuda_objects: no CUDA toolkit (nvcc) found: set CUDA_PATH or put nvcc " +
                    "on the PATH, or build without --define=cuda=true' >&2; exit 1")
