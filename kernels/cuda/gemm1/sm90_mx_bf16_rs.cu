@@ -66,9 +66,9 @@ static_assert(kBf16TileTokens == 128 && kBf16SmallTileTokens == 32, "the wgmma s
 // One stage of the ring, filled by TMA.
 // w: fp8 weight rows, 128-byte swizzle (16-byte chunk c of row r at c ^ (r & 7)), in two TMA boxes
 //    of 128 rows (weight_box_row; stage_row says which row a consumer reads).
-// x: bf16 token rows (the workspace's K order, see upcast_block), 128-byte swizzle: the K-major
-//    layout of wgmma's B descriptor; two halves of K (64 elements, 128 bytes a row) one after the
-//    other.
+// x: bf16 token rows (the workspace's K order: upcast_stage, mx_bf16.cuh), 128-byte swizzle: the
+//    K-major layout of wgmma's B descriptor; two halves of K (64 elements, 128 bytes a row) one
+//    after the other.
 template <int kTok>
 struct alignas(1024) Stage {
   uint8_t w[WROWS * KS];
@@ -437,8 +437,8 @@ __device__ __forceinline__ void epilogue(const Gemm1Args& g, const Tile& t, floa
 }
 
 // One tile of one consumer warpgroup. `consumed` counts stages of all tiles.
-// Per stage, block 0's fragments are upcast while the previous stage's block 1 computes, and block
-// 1's while block 0 computes; a stage is freed once both its blocks have retired (wgmma reads its
+// Each block's fragments are upcast while the block before it computes (f0 and f1 alternate); a
+// stage is freed at block 1 of the next one, once all its blocks have retired (wgmma reads its
 // token rows), a scale super-stage once its last fragments are in registers.
 // gate, up: [32 * half + the fragment index] for tokens 64 * half ..; f0, f1: the caller's.
 template <bool kSwiglu, int kTok>
