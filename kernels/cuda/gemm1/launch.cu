@@ -56,7 +56,7 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 // The bf16-route kernel (both GEMMs; swiglu: GEMM1) with its TMA maps over the workspace's rows
 // and the weights [weight_rows, H], after zeroing the row-tile flags.
-std::string launch_bf16_route(const Gemm1Args& g, int64_t weight_rows, int grid,
+std::string launch_bf16_route(Gemm1Args g, int64_t weight_rows, int grid,
                               cudaStream_t stream, bool swiglu, int64_t tile_tokens) {
   if (tile_tokens != kBf16TileTokens && tile_tokens != kBf16SmallTileTokens)
     return "jax_sdma_moe GEMM: tile_tokens must be " + std::to_string(kBf16TileTokens) + " or " +
@@ -64,15 +64,23 @@ std::string launch_bf16_route(const Gemm1Args& g, int64_t weight_rows, int grid,
   if (g.xb_ready_count < bf16_row_tiles_bound(g.m_cap, g.EL))
     return "jax_sdma_moe GEMM: the workspace has too few row-tile flags";
   Bf16RsMaps maps;
-  std::string err = tensor_map(&maps.xb, g.xb, 2 * g.H, g.m_cap, int(tile_tokens), 128);
-  if (err.empty())
-    err = tensor_map(&maps.w, g.w, g.H, weight_rows, kBf16WeightBoxRows, kBf16StageK);
+  std::string err = tensor_map(&maps.w, g.w, g.H, weight_rows, kBf16WeightBoxRows, kBf16StageK);
   if (err.empty())
     err = tensor_map(&maps.w_scales, g.w_scales, g.H / kBlock, weight_rows, kBf16WeightBoxRows, 16);
-  if (!err.empty()) return err;
-  cudaMemsetAsync(g.xb_ready, 0, size_t(g.xb_ready_count) * sizeof(uint32_t), stream);
-  launch_sm90_mx_bf16_rs(g, maps, grid, stream, swiglu, int(tile_tokens));
-  return "";
+  // The large tile leaves each expert's short tail (kBf16TailMax rows at most) to the small tile:
+  // as a 128-token tile it costs what a full one does (the weights' loads and upcasts are per
+  // tile, not per row), as a 32-token one little more than its weights' stream from HBM.
+  const bool split = tile_tokens == kBf16TileTokens;
+  for (int part = 0; part < (split ? 2 : 1) && err.empty(); ++part) {
+    const int tok = part == 0 ? int(tile_tokens) : kBf16SmallTileTokens;
+    g.tail_max = split ? kBf16TailMax : 0;
+    g.tail_launch = part == 1;
+    err = tensor_map(&maps.xb, g.xb, 2 * g.H, g.m_cap, tok, 128);
+    if (!err.empty()) break;
+    cudaMemsetAsync(g.xb_ready, 0, size_t(g.xb_ready_count) * sizeof(uint32_t), stream);
+    launch_sm90_mx_bf16_rs(g, maps, grid, stream, swiglu, tok);
+  }
+  return err;
 }
 
 }  // namespace

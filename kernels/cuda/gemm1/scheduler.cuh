@@ -59,8 +59,19 @@ struct TileSchedulerFor {
   }
 
   __device__ __forceinline__ void init(const Gemm1Args& g) {
-    exclusive_scan_smem(g.EL, tile_start,
-                        [&](int e) { return (g.counts[e] + kRows - 1) / kRows * n_tiles(g); });
+    exclusive_scan_smem(g.EL, tile_start, [&](int e) {
+      int first;
+      return (launch_rows(g, e, first) + kRows - 1) / kRows * n_tiles(g);
+    });
+  }
+
+  // The rows of expert e this launch covers: [first, first + the result) of its landed rows
+  // (Gemm1Args.tail_max: the large-tile launch leaves a short tail to a small-tile one).
+  static __device__ __forceinline__ int launch_rows(const Gemm1Args& g, int e, int& first) {
+    const int count = g.counts[e], tail = count % kBf16TileTokens;
+    const int head = g.tail_max > 0 && tail <= g.tail_max ? count - tail : count;
+    first = g.tail_launch ? head : 0;
+    return g.tail_launch ? count - head : head;
   }
 
   __device__ __forceinline__ int total(const Gemm1Args& g) const { return tile_start[g.EL]; }
@@ -122,10 +133,12 @@ struct TileSchedulerFor {
 
   __device__ __forceinline__ Tile row_tile_of(const Gemm1Args& g, int e, int mt,
                                               int64_t n0) const {
+    int first;
+    const int rows = launch_rows(g, e, first);
     Tile t;
     t.e = e;
-    t.row0 = g.offsets[e] + int64_t(mt) * kRows;
-    t.rows = min(kRows, g.counts[e] - mt * kRows);
+    t.row0 = g.offsets[e] + first + int64_t(mt) * kRows;
+    t.rows = min(kRows, rows - mt * kRows);
     t.n0 = n0;
     t.rt = tile_start[e] / n_tiles(g) + mt;
     return t;
