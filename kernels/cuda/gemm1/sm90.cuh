@@ -12,6 +12,29 @@ namespace jsm {
 namespace cuda {
 namespace gemm1 {
 
+// The warp-specialised CTA of the sm90 kernels: a producer warpgroup and two consumer warpgroups,
+// one CTA per SM, so __launch_bounds__(kWsThreads, 1) gives each thread kWsLaunchRegs registers.
+constexpr int kWsThreads = 384;
+constexpr int kWsLaunchRegs = 65536 / kWsThreads / 8 * 8;
+
+// Moves registers from the producer warpgroup to the consumers (setmaxnreg). The consumers'
+// increase waits until the CTA's pool holds what it asks for, and the pool is the launch
+// allocation: a split that overdraws it never completes (a hang, not an error).
+template <int kProducerRegs, int kConsumerRegs>
+struct WsRegisterSplit {
+  static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0 && kProducerRegs >= 24 &&
+                    kConsumerRegs <= 256,
+                "setmaxnreg takes multiples of 8 in [24, 256]");
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 2 * 128 <= kWsLaunchRegs * kWsThreads,
+                "the split overdraws the CTA's registers: setmaxnreg.inc would wait forever");
+  static __device__ __forceinline__ void producer() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
+  }
+  static __device__ __forceinline__ void consumer() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
+  }
+};
+
 // Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 B apart.
 __device__ __forceinline__ uint64_t smem_desc_addr(uint32_t addr) {
   return ((uint64_t(addr) & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) |

@@ -55,7 +55,8 @@ constexpr int kStages = kTok == kBf16TileTokens ? 3 : 4;
 // smallest TMA box), two super-stages deep.
 constexpr int kScaleStages = 4, kScaleBytes = kScaleStages * KS / kBlock;
 constexpr int kEpiTokens = 32;  // tokens per pass through the epilogue's staging
-constexpr int THREADS = 384;  // producer warpgroup + two consumer warpgroups
+// Registers per thread of the producer and the consumer warpgroups.
+using Registers = WsRegisterSplit<88, 208>;
 constexpr int kTransformThreads = 96;  // warps 1-3 of the producer warpgroup
 // The transform's work items: quarters (kChunks) of a row tile's H (transform_row_tiles).
 constexpr int kChunks = 4;
@@ -522,14 +523,14 @@ __device__ __forceinline__ void gemm_body(const Gemm1Args& g_in, const Bf16RsMap
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
 
   if (wg == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 88;");
+    Registers::producer();
     if (tid < kWarp)
       load_stages<kSwiglu, kTok>(g, sh, sched, &maps.xb, &maps.w, &maps.w_scales, tid);
     else transform_row_tiles(g, sched, tid - kWarp);
     return;
   }
 
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 208;");
+  Registers::consumer();
   const int cw = wg - 1, total = sched.total(g), num_k = int(g.H / KS);
   uint32_t consumed = 0;
   float gate[kTok / 2], up[kTok / 2];  // GEMM2: the warpgroup's first and second 64 columns
@@ -542,7 +543,7 @@ __device__ __forceinline__ void gemm_body(const Gemm1Args& g_in, const Bf16RsMap
 
 // One kernel per GEMM (kSwiglu) and tile width (kTok).
 template <bool kSwiglu, int kTok>
-__global__ void __launch_bounds__(THREADS, 1)
+__global__ void __launch_bounds__(kWsThreads, 1)
     gemm_sm90_mx_bf16_rs(const Gemm1Args g, const __grid_constant__ Bf16RsMaps maps) {
   gemm_body<kSwiglu, kTok>(g, maps);
 }
@@ -551,7 +552,7 @@ template <bool kSwiglu, int kTok>
 void launch(const Gemm1Args& g, const Bf16RsMaps& maps, int grid, cudaStream_t stream) {
   auto kernel = gemm_sm90_mx_bf16_rs<kSwiglu, kTok>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<kTok>);
-  kernel<<<grid, THREADS, kSmemBytes<kTok>, stream>>>(g, maps);
+  kernel<<<grid, kWsThreads, kSmemBytes<kTok>, stream>>>(g, maps);
 }
 
 }  // namespace sm90_bf16

@@ -31,7 +31,7 @@ namespace sm90_ws {
 
 constexpr int KBYTES = KB * kBlock;  // 128: one SW128 atom row
 constexpr int STAGES = 5, LAG = 2;   // ring depth; stages between a scale copy and its conversion
-constexpr int THREADS = 384;         // producer warpgroup + two consumer warpgroups
+using Registers = WsRegisterSplit<40, 232>;  // producer, consumer warpgroups
 static_assert(BM * KBYTES % 1024 == 0 && BNW == 128,
               "tile geometry: SW128 atoms 1024-byte aligned, one wgmma n128 per stage and block");
 
@@ -205,7 +205,7 @@ __device__ __forceinline__ void consumers_barrier() {  // both consumer warpgrou
 // map_a0, map_a1, map_b: see launch_sm90_tma_ws (kernels.h). A rows of the tile past its valid
 // ones (rounded up to a box) keep stale data: they are never stored.
 // Tiles of <= 64 rows split their K stages between the two consumer warpgroups (kScratchBytes).
-__global__ void __launch_bounds__(THREADS, 1)
+__global__ void __launch_bounds__(kWsThreads, 1)
     sm90_tma_ws_kernel(const Gemm1Args g_in, const __grid_constant__ CUtensorMap map_a0,
                     const __grid_constant__ CUtensorMap map_a1,
                     const __grid_constant__ CUtensorMap map_b) {
@@ -228,7 +228,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
 
   if (wg == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    Registers::producer();
     int ready = -1;
     uint32_t issued = 0;  // stages issued so far (all tiles), ring position issued % STAGES
     auto finish = [&](uint32_t i) {  // stage i's scale bytes have landed: floats, then arrive
@@ -270,7 +270,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     return;
   }
 
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  Registers::consumer();
   const int cw = wg - 1, warp = tid / 32, lane = tid % 32;
   const int grp = lane >> 2, tig = lane & 3;
   float* scratch = reinterpret_cast<float*>(&sh + 1);  // the K split's (kScratchBytes)
@@ -325,7 +325,7 @@ void launch_sm90_tma_ws(const Gemm1Args& g, const CUtensorMap& map_a0, const CUt
   auto kernel = sm90_ws::sm90_tma_ws_kernel;
   const int smem = sm90_ws::kSmemTotalBytes;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  kernel<<<grid, sm90_ws::THREADS, smem, stream>>>(g, map_a0, map_a1, map_b);
+  kernel<<<grid, kWsThreads, smem, stream>>>(g, map_a0, map_a1, map_b);
 }
 
 }  // namespace gemm1
