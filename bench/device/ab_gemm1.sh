@@ -35,6 +35,9 @@ while (($#)); do
 done
 ((${#VARIANTS[@]})) || { echo "ab_gemm1.sh: name at least one VARIANT (base, or patches)" >&2; exit 2; }
 
+# a variant that hangs (no output for 60 s: bench/run.py prints progress every ~10 s, the
+# unchecked timing one line per ~20 s) is stopped there, not at --timeout
+GUARD=("bash" "$REPO/bench/device/idle_guard.sh" 60)
 pristine=$(mktemp -d)
 cp -a kernels ffi jax_sdma_moe "$pristine"/
 restore() { rm -rf kernels ffi jax_sdma_moe && cp -a "$pristine"/{kernels,ffi,jax_sdma_moe} .; }
@@ -61,11 +64,13 @@ for variant in "${VARIANTS[@]}"; do
          --no-index .; then
       cd /tmp  # the installed package, not the checkout's sources
       if ((UNCHECKED)); then
-        step "ab-$n-time" "$TIMEOUT" bash -c 'for s in ${1//,/ }; do for r in ${2//,/ }; do
+        step "ab-$n-time" "$TIMEOUT" "${GUARD[@]}" "$OUT/ab-$n-time.log" \
+          bash -c 'for s in ${1//,/ }; do for r in ${2//,/ }; do
             python3 "$3/bench/gemm1_profile.py" "$s" --rows "$r" --experts 128 --time 10 || exit
           done; done' _ "$SHAPES" "$ROWS" "$REPO"
       else
-        step "ab-$n-time" "$TIMEOUT" python3 "$REPO/bench/run.py" --gpu --devices 1 \
+        step "ab-$n-time" "$TIMEOUT" "${GUARD[@]}" "$OUT/ab-$n-time.log" \
+          python3 "$REPO/bench/run.py" --gpu --devices 1 \
           --gemm1-rows "$ROWS" --experts 128 --shapes "$SHAPES" --skip-peers all --iters 10 \
           --warmup 2 --out "$OUT/ab-$n" "${ARGS[@]}"
       fi

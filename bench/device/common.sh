@@ -41,6 +41,7 @@ step() {
   local what="ok"
   ((rc != 0)) && what="FAILED (rc $rc)"
   ((rc == 124 || rc == 137)) && what="TIMED OUT after $limit s"
+  ((rc == 125)) && what="STOPPED: no output for a while (idle_guard.sh; a hang?)"
   SUMMARY+=("$name: $what in $((SECONDS - t0)) s, log $OUT/$name.log")
   return $rc
 }
