@@ -5,8 +5,11 @@ import socket
 import subprocess
 import sys
 
-# Must precede the first jax import: XLA sizes the host platform when the backend starts.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Must precede the first jax import: XLA sizes the host platform when the backend starts. On a
+# GPU, XLA's autotuning is off: the references' float32 GEMMs take a new shape in almost every
+# test, and autotuning each one is compile time (the checks against them are tolerances, §3).
+os.environ.setdefault("XLA_FLAGS",
+                      "--xla_force_host_platform_device_count=8 --xla_gpu_autotune_level=0")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
