@@ -85,7 +85,7 @@ __device__ __forceinline__ bool wait_flags_block(const uint32_t* flags, N n, uin
   for (bool first = true;; first = false) {
     bool ok = true;
     int missing = -1;
-    if (kPollers == 0) {
+    if constexpr (kPollers == 0) {
       for (int i = threadIdx.x; i < n; i += blockDim.x)
         if (!epoch_reached(ld_acquire_sys(flags + i), epoch)) ok = false, missing = i;
     } else {
