@@ -71,9 +71,9 @@ std::string launch_bf16_route(Gemm1Args g, int64_t weight_rows, int grid,
   // as a 128-token tile it costs what a full one does (the weights' loads and upcasts are per
   // tile, not per row), as a 32-token one little more than its weights' stream from HBM.
   const bool split = tile_tokens == kBf16TileTokens;
+  g.tail_max = split ? kBf16TailMax : 0;
   for (int part = 0; part < (split ? 2 : 1) && err.empty(); ++part) {
     const int tok = part == 0 ? int(tile_tokens) : kBf16SmallTileTokens;
-    g.tail_max = split ? kBf16TailMax : 0;
     g.tail_launch = part == 1;
     err = tensor_map(&maps.xb, g.xb, 2 * g.H, g.m_cap, tok, 128);
     if (!err.empty()) break;
