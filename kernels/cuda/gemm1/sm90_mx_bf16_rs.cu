@@ -232,6 +232,17 @@ __device__ __forceinline__ void transform_row_tiles(const Gemm1Args& g, const Sc
 
 // --- consumers ---------------------------------------------------------------------------------
 
+// A position in a ring of kSlots stages: the slot and the phase parity of its mbarriers, kept by
+// counting (a division by 3 per stage sat on the consumers' path otherwise).
+template <int kSlots>
+struct RingPosition {
+  int slot = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void next() {
+    if (++slot == kSlots) slot = 0, phase ^= 1;
+  }
+};
+
 __device__ __forceinline__ void consumer_barrier(int cw) {  // one consumer warpgroup
   asm volatile("bar.sync %0, 128;" ::"r"(2 + cw) : "memory");
 }
@@ -266,17 +277,21 @@ struct StageFactors {
 
 // Rows row_g = warp * 16 + g and row_g + 8 of the warpgroup's gate and up halves: their block tig
 // of the stage, 16 bytes at a time (chunk 2 tig + bp: the 8 rows of a quarter warp's two row
-// groups land on 8 distinct chunks of the 128-byte swizzle, so no bank conflicts).
+// groups land on 8 distinct chunks of the 128-byte swizzle, so no bank conflicts). The four rows
+// are row_g's plus multiples of 8, so they share the swizzled chunk: one address, and the others
+// at constant offsets.
 template <bool kSwiglu>
 __device__ __forceinline__ void load_half(RawHalf& raw, uint32_t w_base, int cw, int row_g,
                                           int tig, int bp) {
+  static_assert(WBOX % 8 == 0 && 64 % 8 == 0, "stage_row keeps a row's swizzle phase (r & 7)");
+  const uint32_t base =
+      w_base + stage_row<kSwiglu>(cw, 0, row_g) * KS + (((2 * tig + bp) ^ (row_g & 7)) << 4);
 #pragma unroll
   for (int part = 0; part < 2; ++part)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = stage_row<kSwiglu>(cw, part, row_g + 8 * h);
-      raw.v[part][h] = lds128(w_base + r * KS + (((2 * tig + bp) ^ (r & 7)) << 4));
-    }
+    for (int h = 0; h < 2; ++h)
+      raw.v[part][h] = lds128(base + (stage_row<kSwiglu>(0, part, 8 * h) -
+                                      stage_row<kSwiglu>(0, 0, 0)) * KS);
 }
 
 // The factors of the rows' scale bytes of the stage (sk: the stage's first in the super-stage
@@ -320,17 +335,19 @@ __device__ __forceinline__ void upcast_frags(Frags& f, const RawHalf& raw, const
 // Block blk of one stage: for each k16 step, gate and up rows times all kTok tokens of the tile
 // (one m64nkTok each), whatever its rows: one code path per kernel (two shapes in one kernel made
 // ptxas serialise every wgmma, C7511/C7512: registers).
+// b_desc: the descriptor of the stage's token rows (smem_desc_addr of Stage::x); a block's and
+// step's descriptor adds its byte offset / 16 to the address field (no carry: shared memory
+// addresses stay below 2^18), a constant, so the loop computes no address per instruction.
 template <int kTok>
 __device__ __forceinline__ void issue_block(float (&gate)[kTok / 2], float (&up)[kTok / 2],
-                                            Frags& f, uint32_t b_base, int blk) {
-  const uint32_t k0 = b_base + (blk / 2) * kTok * KS + (blk % 2) * 64;
+                                            Frags& f, uint64_t b_desc, int blk) {
   fence_frags(f);
   fence_acc(gate);
   fence_acc(up);
   wgmma_fence();
 #pragma unroll
   for (int s = 0; s < 2; ++s) {
-    const uint64_t desc = smem_desc_addr(k0 + s * 32);
+    const uint64_t desc = b_desc + uint64_t(((blk / 2) * kTok * KS + (blk % 2) * 64 + s * 32) >> 4);
     wgmma_m64nk16_bf16_rs<kTok>(gate, f.r[0][s], desc);
     wgmma_m64nk16_bf16_rs<kTok>(up, f.r[1][s], desc);
   }
@@ -446,7 +463,8 @@ template <bool kSwiglu, int kTok>
 __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared<kTok>& sh, const Tile& t,
                                              int num_k, uint32_t& consumed, int cw, int tid,
                                              float (&gate)[kTok / 2], float (&up)[kTok / 2],
-                                             Frags& f0, Frags& f1) {
+                                             Frags& f0, Frags& f1,
+                                             RingPosition<kStages<kTok>>& ring) {
   constexpr int STAGES = kStages<kTok>;
   const int warp = tid / 32, lane = tid % 32;
   const int row_g = warp * 16 + lane / 4, tig = lane % 4;
@@ -462,11 +480,14 @@ __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared<kTok>& s
     const uint32_t u = consumed / kScaleStages;
     const int sk = int(consumed % kScaleStages) * NB;  // the stage's scale bytes
     const ScaleStage& sc = sh.scales[u % 2];
+    // the ring slot and phase of stage `consumed`, and the slot before it
+    const int slot = ring.slot, before = slot == 0 ? STAGES - 1 : slot - 1;
     if (sk == 0) mbar_wait(&sh.scales_loaded[u % 2], (u / 2) & 1);
-    mbar_wait(&sh.loaded[consumed % STAGES], (consumed / STAGES) & 1);
+    mbar_wait(&sh.loaded[slot], ring.phase);
+    ring.next();
     if (active) {
-      const uint32_t w_base = smem_addr(sh.s[consumed % STAGES].w);
-      const uint32_t b_base = smem_addr(sh.s[consumed % STAGES].x);
+      const uint32_t w_base = smem_addr(sh.s[slot].w);
+      const uint64_t b_desc = smem_desc_addr(smem_addr(sh.s[slot].x));
       StageFactors sf;
       stage_factors<kSwiglu>(sf, sc, sk, cw, row_g, tig);
       RawHalf raw;
@@ -477,13 +498,13 @@ __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared<kTok>& s
         wgmma_wait<1>();  // the block before the previous one has retired: f is free
         fence_frags(f);
         // at block 1: the previous stage has retired, its slot is free
-        if (blk == 1 && ks > 0) release(&sh.empty[(consumed - 1) % STAGES]);
+        if (blk == 1 && ks > 0) release(&sh.empty[before]);
         if (sf.slow) upcast_frags<true>(f, raw, sf, blk % 2);
         else upcast_frags<false>(f, raw, sf, blk % 2);
-        issue_block<kTok>(gate, up, f, b_base, blk);
+        issue_block<kTok>(gate, up, f, b_desc, blk);
       }
     } else if (ks > 0) {
-      release(&sh.empty[(consumed - 1) % STAGES]);
+      release(&sh.empty[before]);
     }
     if (sk == NB * (kScaleStages - 1)) release(&sh.scales_empty[u % 2]);
   }
@@ -492,7 +513,7 @@ __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared<kTok>& s
   fence_frags(f1);
   fence_acc(gate);
   fence_acc(up);
-  release(&sh.empty[(consumed - 1) % STAGES]);
+  release(&sh.empty[ring.slot == 0 ? STAGES - 1 : ring.slot - 1]);
   if (active) epilogue<kSwiglu, kTok>(g, t, sh.epi[cw], gate, up, cw, tid, row_g, tig);
 }
 
@@ -533,11 +554,12 @@ __device__ __forceinline__ void gemm_body(const Gemm1Args& g_in, const Bf16RsMap
   Registers::consumer();
   const int cw = wg - 1, total = sched.total(g), num_k = int(g.H / KS);
   uint32_t consumed = 0;
+  RingPosition<STAGES> ring;
   float gate[kTok / 2], up[kTok / 2];  // GEMM2: the warpgroup's first and second 64 columns
   Frags f0 = {}, f1 = {};
   for (int w = blockIdx.x; w < total; w += gridDim.x) {
     const Tile t = sched.tile(g, w);
-    consume_tile<kSwiglu, kTok>(g, sh, t, num_k, consumed, cw, tid, gate, up, f0, f1);
+    consume_tile<kSwiglu, kTok>(g, sh, t, num_k, consumed, cw, tid, gate, up, f0, f1, ring);
   }
 }
 
