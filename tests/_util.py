@@ -224,15 +224,16 @@ def run_bench_processes(n: int, flags, timeout: float):
   return [(p.returncode, *o) for p, o in zip(procs, outs)]
 
 
-def run_processes(tc, script, n, seed, timeout, env_of=lambda i: {}):
-  """Runs `python script PROCESS_ID n PORT SEED` n times at once (jax.distributed over a fresh
-  local port); each must exit 0 and print 'OK rank <id>'."""
+def run_processes(tc, script, n, seed, timeout, env_of=lambda i: {}, args_of=lambda i: ()):
+  """Runs `python script PROCESS_ID n PORT SEED [args_of(PROCESS_ID)...]` n times at once
+  (jax.distributed over a fresh local port); each must exit 0 and print 'OK rank <id>'."""
   port = free_port()
   procs = []
   for i in range(n):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(env_of(i))
-    procs.append(subprocess.Popen([sys.executable, script, str(i), str(n), str(port), str(seed)],
+    procs.append(subprocess.Popen([sys.executable, script, str(i), str(n), str(port), str(seed),
+                                   *map(str, args_of(i))],
                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True))
   outs = []

@@ -1,6 +1,8 @@
 """One process of a two-process GPU run (the `mpirun -n R` launch mode), started by
 test_multigpu.py, JAX using one GPU each: python mp_gpu_worker.py PROCESS_ID NUM_PROCESSES PORT
-SEED. Each process holds one rank; engines ce and sm must land the same bytes on it, equal to the
+SEED [GPU] (GPU: the CUDA device of this process, PROCESS_ID by default; test_cuda.py puts both
+ranks on GPU 0, which checks the protocol's bytes on a one-GPU machine: CUDA IPC opens a window of
+the same device from another process, and the two processes' kernels take turns on it). Each process holds one rank; engines ce and sm must land the same bytes on it, equal to the
 reference layout with h of sampled experts within §3, and 20 back-to-back calls per engine stay
 correct; jsm.moe with engines sm and ce (their combines through the IPC-opened windows) matches
 the reference on this rank's tokens in back-to-back calls, byte for byte between the engines;
@@ -10,13 +12,14 @@ import os
 import sys
 
 pid, nproc, port, seed = (int(a) for a in sys.argv[1:5])
+gpu = int(sys.argv[5]) if len(sys.argv) > 5 else pid
 
 import jax  # noqa: E402
 
 # JAX uses one GPU per process, but CUDA sees both: CUDA IPC between the GPUs needs the peer device
 # visible (peer access), so no CUDA_VISIBLE_DEVICES masking
 jax.distributed.initialize(f"localhost:{port}", num_processes=nproc, process_id=pid,
-                           local_device_ids=[pid])
+                           local_device_ids=[gpu])
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax.numpy as jnp  # noqa: E402

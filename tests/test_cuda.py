@@ -276,5 +276,21 @@ class CudaMoeTest(parameterized.TestCase):
     _util.run_moe_on(self, m, "local", T, H, I, E, K, routing, limit)
 
 
+@absltest.skipIf(GPU is None, WHY or "")
+class CudaTwoRanksOneGpuTest(absltest.TestCase):
+
+  def test_two_processes_share_the_gpu(self):
+    """The mpirun launch mode's protocol (engines ce and sm, stage1 and the layer: the checks of
+    tests/mp_gpu_worker.py) with both ranks' processes on this one GPU: windows opened by CUDA IPC
+    from the other process, copies and stores that cross processes, bounded waits that outlast
+    the two contexts taking turns on the GPU. Bytes only: the timing of shared-GPU ranks says
+    nothing of two GPUs."""
+    _util.run_processes(self, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                           "mp_gpu_worker.py"), 2,
+                        int(np.random.SeedSequence().entropy % (2**31)), timeout=500,
+                        env_of=lambda i: {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
+                        args_of=lambda i: (0,))
+
+
 if __name__ == "__main__":
   absltest.main()
