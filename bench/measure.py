@@ -28,6 +28,7 @@ from bench.paths import STAGES, BenchPath, engine_paths, engine_stats
 from bench.processes import (RUN_FAILURES, CheckError, all_processes, local_ranks, progress,
                              same_outcome, slowest, to_host)
 from bench.timing import add_rates, dense_bf16_matmul, first_call, time_calls
+from bench.trace import kernel_table
 
 REFERENCE_PATH = "native:jnp-reference(1 dev)"
 
@@ -86,6 +87,15 @@ def time_path(c: Checked, iters: int, warmup: int) -> dict:
   return row
 
 
+def trace_path(c: Checked, iters: int, tag: str) -> str:
+  """--trace: the kernels per call of the full path and of each stage run alone (bench/trace.py)."""
+  path = c.path
+  tables = [kernel_table(path.full, (path.inputs, path.w), iters, f"{tag} {path.name} stage1")]
+  for name, stage, inp in zip(STAGES, path.stages, c.stage_inputs):
+    tables.append(kernel_table(stage, (inp, path.w), iters, f"{tag} {path.name} {name}"))
+  return "\n".join(tables)
+
+
 def failed_row(path: BenchPath, error: Exception) -> dict:
   """The row of a path that failed at run time: why, in a line."""
   return {"path": path.name, "kind": path.kind, "baseline": path.baseline,
@@ -127,6 +137,9 @@ def check_and_time(args, paths: Sequence[BenchPath], ref: Reference, shape: jsm.
     progress(f"{tag} {c.path.name}: timing")
     try:
       row = time_path(c, args.iters, args.warmup)
+      if args.trace:
+        row["trace"] = trace_path(c, args.iters, tag)
+        progress(row["trace"])
     except RUN_FAILURES as e:
       failed(c.path, e)
       continue
