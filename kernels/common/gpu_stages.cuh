@@ -70,23 +70,32 @@ __global__ void quantize_kernel(const In* x, int64_t blocks, uint8_t* values, ui
 }
 
 // route, parallel form (two launches, one block per expert): block e scans all ids in order, so
-// positions keep the (token, slot) order without a sort; E blocks x T*K ids are L2 reads.
+// positions keep the (token, slot) order without a sort; E blocks x T*K ids are L2 reads, four ids
+// per 16-byte load where the ids are 16-byte aligned (XLA's buffers are): a block's loads are then
+// a few rounds deep, not T*K / blockDim (the scan is latency-bound, not bandwidth-bound).
 // Launch 1, grid E + 1: block e < E counts id == e; block E counts ids >= E and writes -1 to the
 // send_pos of every id outside [0, E).
+constexpr int kRouteThreads = 1024;
 __global__ void route_count_kernel(const int32_t* ids, int64_t n, int32_t E, int32_t* send_counts,
                                    int32_t* send_pos, int32_t* num_invalid) {
-  __shared__ int32_t warp_sums[1024 / kWarp];
+  __shared__ int32_t warp_sums[kRouteThreads / kWarp];
   const int e = blockIdx.x;
   int count = 0;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    const int32_t id = ids[i];
+  auto visit = [&](int64_t i, int32_t id) {
     if (e < E) {
       count += id == e;
     } else {
       count += id >= E;
       if (id < 0 || id >= E) send_pos[i] = -1;
     }
+  };
+  const int64_t n4 = reinterpret_cast<uintptr_t>(ids) % 16 == 0 ? n / 4 : 0;
+#pragma unroll 4
+  for (int64_t j = threadIdx.x; j < n4; j += blockDim.x) {
+    const int4 v = reinterpret_cast<const int4*>(ids)[j];
+    visit(4 * j, v.x), visit(4 * j + 1, v.y), visit(4 * j + 2, v.z), visit(4 * j + 3, v.w);
   }
+  for (int64_t i = 4 * n4 + threadIdx.x; i < n; i += blockDim.x) visit(i, ids[i]);
   count = wave_sum(count);
   if (threadIdx.x % kWarp == 0) warp_sums[threadIdx.x / kWarp] = count;
   __syncthreads();
@@ -97,13 +106,13 @@ __global__ void route_count_kernel(const int32_t* ids, int64_t n, int32_t E, int
   }
 }
 
-// Launch 2, grid E, 1024 threads: block e places its ids after the segments of experts < e. Each
-// thread takes kPlacePerThread consecutive ids of a chunk, so the three block barriers of a chunk
-// are paid once per 8192 ids (a chunk of one id per thread paid them per 1024).
-constexpr int kPlacePerThread = 8;
+// Launch 2, grid E, kRouteThreads threads: block e places its ids after the segments of experts
+// < e. Each thread takes kPlacePerThread consecutive ids of a chunk, so the three block barriers
+// of a chunk are paid once per 8192 ids (a chunk of one id per thread paid them per 1024).
+constexpr int kPlacePerThread = 8;  // two 16-byte loads of ids
 __global__ void route_place_kernel(const int32_t* ids, int64_t n, int32_t E,
                                    const int32_t* send_counts, int32_t* send_pos) {
-  __shared__ int32_t warp_sums[1024 / kWarp];
+  __shared__ int32_t warp_sums[kRouteThreads / kWarp];
   __shared__ int32_t base;
   const int e = blockIdx.x, warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int warps = blockDim.x / kWarp;
@@ -119,15 +128,23 @@ __global__ void route_place_kernel(const int32_t* ids, int64_t n, int32_t E,
   }
   __syncthreads();
   const int64_t per_chunk = int64_t(blockDim.x) * kPlacePerThread;
+  const bool aligned = reinterpret_cast<uintptr_t>(ids) % 16 == 0;
   for (int64_t chunk = 0; chunk < n; chunk += per_chunk) {
     const int64_t i0 = chunk + int64_t(threadIdx.x) * kPlacePerThread;
     bool hit[kPlacePerThread];
     int mine = 0;
+    if (aligned && i0 + kPlacePerThread <= n) {  // two 16-byte loads
+      const int4 a = reinterpret_cast<const int4*>(ids + i0)[0];
+      const int4 b = reinterpret_cast<const int4*>(ids + i0)[1];
+      const int32_t v[kPlacePerThread] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
-    for (int j = 0; j < kPlacePerThread; ++j) {
-      hit[j] = i0 + j < n && ids[i0 + j] == e;
-      mine += hit[j];
+      for (int j = 0; j < kPlacePerThread; ++j) hit[j] = v[j] == e;
+    } else {
+#pragma unroll
+      for (int j = 0; j < kPlacePerThread; ++j) hit[j] = i0 + j < n && ids[i0 + j] == e;
     }
+#pragma unroll
+    for (int j = 0; j < kPlacePerThread; ++j) mine += hit[j];
     int incl = mine;  // inclusive prefix over the warp's threads, in id order
 #pragma unroll
     for (int o = 1; o < kWarp; o <<= 1) {
@@ -137,7 +154,7 @@ __global__ void route_place_kernel(const int32_t* ids, int64_t n, int32_t E,
     if (lane == kWarp - 1) warp_sums[warp] = incl;
     __syncthreads();
     int warp_before = 0, chunk_total = 0;
-    for (int w = 0; w < warps; ++w) {  // warps is at most 1024 / kWarp: a short smem loop
+    for (int w = 0; w < warps; ++w) {  // at most kRouteThreads / kWarp: a short smem loop
       warp_before += w < warp ? warp_sums[w] : 0;
       chunk_total += warp_sums[w];
     }
@@ -244,14 +261,24 @@ __global__ void dispatch_local_kernel(const uint8_t* values, const uint8_t* scal
   __syncthreads();
   const int lane = threadIdx.x % kWarp;
   const int64_t HS = H / kBlock;
+  const bool wide_scales = HS % 16 == 0 && reinterpret_cast<uintptr_t>(scales) % 16 == 0 &&
+                           reinterpret_cast<uintptr_t>(out_scales) % 16 == 0;
   for (int64_t r = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / kWarp; r < m_cap;
        r += int64_t(gridDim.x) * blockDim.x / kWarp) {
     const int e = expert_of_row(offsets, counts, EL, r);
     const int64_t p = e < 0 ? -1 : seg_start[e] + (r - offsets[e]);
     uint4* dst = reinterpret_cast<uint4*>(out_values + r * H);
     const uint4* src = reinterpret_cast<const uint4*>(values + p * H);
-    for (int64_t c = lane; c < H / 16; c += kWarp) dst[c] = p < 0 ? make_uint4(0, 0, 0, 0) : src[c];
-    for (int64_t c = lane; c < HS; c += kWarp) out_scales[r * HS + c] = p < 0 ? 0 : scales[p * HS + c];
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    for (int64_t c = lane; c < H / 16; c += kWarp) dst[c] = p < 0 ? zero : src[c];
+    if (wide_scales) {  // 16 bytes a lane, not 1
+      uint4* sdst = reinterpret_cast<uint4*>(out_scales + r * HS);
+      const uint4* ssrc = reinterpret_cast<const uint4*>(scales + p * HS);
+      for (int64_t c = lane; c < HS / 16; c += kWarp) sdst[c] = p < 0 ? zero : ssrc[c];
+    } else {
+      for (int64_t c = lane; c < HS; c += kWarp)
+        out_scales[r * HS + c] = p < 0 ? 0 : scales[p * HS + c];
+    }
     if (lane == 0) {
       src_rank[r] = p < 0 ? -1 : 0;
       out_token[r] = p < 0 ? -1 : token[p];
@@ -293,8 +320,10 @@ void launch_quantize(const void* x, bool x_bf16, int64_t blocks, uint8_t* values
 
 void launch_route(const int32_t* ids, int64_t n, int32_t E, int32_t* send_counts,
                   int32_t* send_pos, int32_t* num_invalid, Stream stream) {
-  route_count_kernel<<<E + 1, 256, 0, stream>>>(ids, n, E, send_counts, send_pos, num_invalid);
-  if (E > 0) route_place_kernel<<<E, 1024, 0, stream>>>(ids, n, E, send_counts, send_pos);
+  route_count_kernel<<<E + 1, kRouteThreads, 0, stream>>>(ids, n, E, send_counts, send_pos,
+                                                         num_invalid);
+  if (E > 0)
+    route_place_kernel<<<E, kRouteThreads, 0, stream>>>(ids, n, E, send_counts, send_pos);
 }
 
 void launch_pack(bool quantize, const PackArgs& a, Stream stream) {
