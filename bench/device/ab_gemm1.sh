@@ -16,11 +16,15 @@
 # --rows over 128 experts, one TIMING line per variant and rows entry), whose output is NOT
 # checked: for diagnostic variants that compute wrong results on purpose (bench/run.py stops at
 # its check).
+# --tokens T1,T2: Stage1 at R = 1 (engine local, random routing: the experts' tails; every path
+# checked) at those tokens instead of gemm1 alone, beside the JAX capacity path; one Stage1 row
+# per variant and tokens entry.
 source "$(dirname "$0")/common.sh"
 ROWS=128x2,32768
 SHAPES=dsv3
 TIMEOUT=150
 UNCHECKED=0
+TOKENS=
 VARIANTS=()
 ARGS=()
 while (($#)); do
@@ -29,6 +33,7 @@ while (($#)); do
     --rows) ROWS=$2; shift 2 ;;
     --shapes) SHAPES=$2; shift 2 ;;
     --unchecked) UNCHECKED=1; shift ;;
+    --tokens) TOKENS=$2; shift 2 ;;
     --*) ARGS+=("$1" "$2"); shift 2 ;;  # more bench/run.py flags (with a value)
     *) VARIANTS+=("$1"); shift ;;
   esac
@@ -63,7 +68,12 @@ for variant in "${VARIANTS[@]}"; do
     if step "ab-$n-build" 480 python3 -m pip install -v --no-build-isolation --no-deps \
          --no-index .; then
       cd /tmp  # the installed package, not the checkout's sources
-      if ((UNCHECKED)); then
+      if [[ -n $TOKENS ]]; then
+        step "ab-$n-time" "$TIMEOUT" "${GUARD[@]}" "$OUT/ab-$n-time.log" \
+          python3 "$REPO/bench/run.py" --gpu --devices 1 --tokens "$TOKENS" --shapes "$SHAPES" \
+          --skip-peers all --skip-native ragged --iters 10 --warmup 2 --out "$OUT/ab-$n" \
+          "${ARGS[@]}"
+      elif ((UNCHECKED)); then
         step "ab-$n-time" "$TIMEOUT" "${GUARD[@]}" "$OUT/ab-$n-time.log" \
           bash -c 'for s in ${1//,/ }; do for r in ${2//,/ }; do
             python3 "$3/bench/gemm1_profile.py" "$s" --rows "$r" --experts 128 --time 10 || exit
@@ -77,7 +87,7 @@ for variant in "${VARIANTS[@]}"; do
       cd "$REPO"
     fi
     while IFS= read -r line; do TABLE+=("$(printf '%-40s %s' "$variant" "$line")"); done < <(
-        grep -E "gemm1 alone|^TIMING" "$OUT/ab-$n-time.log")
+        grep -E "gemm1 alone|^TIMING|engine:local " "$OUT/ab-$n-time.log")
   fi
 done
 restore
