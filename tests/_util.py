@@ -204,14 +204,25 @@ def free_port():
     return sock.getsockname()[1]
 
 
-def _die_with_parent():
-  """Popen preexec_fn (Linux): the child gets SIGKILL when the test process dies, so a suite
-  killed by a time limit leaves no worker behind holding a port or GPU memory (a worker of the
-  one-GPU two-process test outlived its killed suite and held 16.6 GiB of the GPU)."""
-  if sys.platform.startswith("linux"):
-    import ctypes
-    import signal
-    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+# `python -c _RUN_DYING_WITH_PARENT SCRIPT ARGS...` runs SCRIPT as `python SCRIPT ARGS...` would
+# (its folder first on sys.path), once it has asked Linux to kill it when the test process that
+# started it dies: a suite killed by its time limit then leaves no worker behind holding a port or
+# GPU memory (a worker of the one-GPU two-process test outlived its killed suite and held 16.6 GiB
+# of the GPU). Set in the child, after exec: a Popen preexec_fn would fork a multithreaded JAX
+# process and run Python between the fork and the exec.
+_RUN_DYING_WITH_PARENT = """
+import ctypes, os, runpy, sys
+if sys.platform.startswith("linux"):
+  ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+sys.argv = sys.argv[1:]
+sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def python_script(script, *args) -> list:
+  """The command line of a worker process: `script` with `args`, dying with the test process."""
+  return [sys.executable, "-c", _RUN_DYING_WITH_PARENT, script, *map(str, args)]
 
 
 def run_bench_processes(n: int, flags, timeout: float):
@@ -222,10 +233,9 @@ def run_bench_processes(n: int, flags, timeout: float):
   port = free_port()
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   procs = [subprocess.Popen(
-      [sys.executable, os.path.join(root, "bench", "run.py"), "--coordinator", f"localhost:{port}",
-       "--num-processes", str(n), "--process-id", str(i), *flags], cwd=root, env=env,
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
-      for i in range(n)]
+      python_script(os.path.join(root, "bench", "run.py"), "--coordinator", f"localhost:{port}",
+                    "--num-processes", n, "--process-id", i, *flags), cwd=root, env=env,
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)]
   try:
     outs = [p.communicate(timeout=timeout) for p in procs]
   except subprocess.TimeoutExpired:
@@ -243,10 +253,8 @@ def run_processes(tc, script, n, seed, timeout, env_of=lambda i: {}, args_of=lam
   for i in range(n):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(env_of(i))
-    procs.append(subprocess.Popen([sys.executable, script, str(i), str(n), str(port), str(seed),
-                                   *map(str, args_of(i))],
-                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, preexec_fn=_die_with_parent))
+    procs.append(subprocess.Popen(python_script(script, i, n, port, seed, *args_of(i)), env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
   outs = []
   for p in procs:
     try:
