@@ -241,6 +241,9 @@ struct RingPosition {
   __device__ __forceinline__ void next() {
     if (++slot == kSlots) slot = 0, phase ^= 1;
   }
+  __device__ __forceinline__ int previous_slot() const {
+    return slot == 0 ? kSlots - 1 : slot - 1;
+  }
 };
 
 __device__ __forceinline__ void consumer_barrier(int cw) {  // one consumer warpgroup
@@ -465,7 +468,6 @@ __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared<kTok>& s
                                              float (&gate)[kTok / 2], float (&up)[kTok / 2],
                                              Frags& f0, Frags& f1,
                                              RingPosition<kStages<kTok>>& ring) {
-  constexpr int STAGES = kStages<kTok>;
   const int warp = tid / 32, lane = tid % 32;
   const int row_g = warp * 16 + lane / 4, tig = lane % 4;
   const bool active = t.n0 + cw * kWgCols<kSwiglu> < g.I;
@@ -481,7 +483,7 @@ __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared<kTok>& s
     const int sk = int(consumed % kScaleStages) * NB;  // the stage's scale bytes
     const ScaleStage& sc = sh.scales[u % 2];
     // the ring slot and phase of stage `consumed`, and the slot before it
-    const int slot = ring.slot, before = slot == 0 ? STAGES - 1 : slot - 1;
+    const int slot = ring.slot, before = ring.previous_slot();
     if (sk == 0) mbar_wait(&sh.scales_loaded[u % 2], (u / 2) & 1);
     mbar_wait(&sh.loaded[slot], ring.phase);
     ring.next();
@@ -513,7 +515,7 @@ __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared<kTok>& s
   fence_frags(f1);
   fence_acc(gate);
   fence_acc(up);
-  release(&sh.empty[ring.slot == 0 ? STAGES - 1 : ring.slot - 1]);
+  release(&sh.empty[ring.previous_slot()]);
   if (active) epilogue<kSwiglu, kTok>(g, t, sh.epi[cw], gate, up, cw, tid, row_g, tig);
 }
 
