@@ -2,7 +2,8 @@
 test_multigpu.py, JAX using one GPU each: python mp_gpu_worker.py PROCESS_ID NUM_PROCESSES PORT
 SEED [GPU] (GPU: the CUDA device of this process, PROCESS_ID by default; test_cuda.py puts both
 ranks on GPU 0, which checks the protocol's bytes on a one-GPU machine: CUDA IPC opens a window of
-the same device from another process, and the two processes' kernels take turns on it). Each process holds one rank; engines ce and sm must land the same bytes on it, equal to the
+the same device from another process, and the two processes' kernels take turns on it). Each
+process holds one rank; engines ce and sm must land the same bytes on it, equal to the
 reference layout with h of sampled experts within §3, and 20 back-to-back calls per engine stay
 correct; jsm.moe with engines sm and ce (their combines through the IPC-opened windows) matches
 the reference on this rank's tokens in back-to-back calls, byte for byte between the engines;

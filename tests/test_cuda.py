@@ -285,11 +285,7 @@ class CudaTwoRanksOneGpuTest(absltest.TestCase):
     from the other process, copies and stores that cross processes, bounded waits that outlast
     the two contexts taking turns on the GPU. Bytes only: the timing of shared-GPU ranks says
     nothing of two GPUs."""
-    _util.run_processes(self, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                           "mp_gpu_worker.py"), 2,
-                        int(np.random.SeedSequence().entropy % (2**31)), timeout=500,
-                        env_of=lambda i: {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
-                        args_of=lambda i: (0,))
+    _util.run_mp_gpu_workers(self, 2, timeout=500, gpu=0)
 
 
 if __name__ == "__main__":

@@ -264,11 +264,8 @@ class TwoProcessTest(absltest.TestCase):
   def test_two_processes_one_gpu_each(self):
     """The mpirun launch mode: each process owns one GPU and one rank; windows are opened from
     CUDA IPC handles exchanged through jax.distributed; engines ce and sm checked on every rank
-    (engine xla is refused there). The workers allocate on demand: this process may already hold
-    most of both GPUs (XLA preallocates 75% once the single-process tests have run)."""
-    _util.run_processes(self, os.path.join(HERE, "mp_gpu_worker.py"), R,
-                        int(np.random.SeedSequence().entropy % (2**31)), timeout=400,
-                        env_of=lambda i: {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+    (engine xla is refused there)."""
+    _util.run_mp_gpu_workers(self, R, timeout=400)
 
 
 if __name__ == "__main__":
