@@ -140,9 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "(bench/layer.py); CPU devices, or --gpu's devices of --platform")
   p.add_argument("--trace", action="store_true",
                  help="--gpu: after timing, each path's kernels per device and call from "
-                      "JAX's profiler (bench/trace.py), in the log; Stage1: of the full call and of "
-                      "each stage alone (also in the JSON row's 'trace'); --layer: of each path "
-                      "(also in <out>/<tag>-trace.txt)")
+                      "JAX's profiler (bench/trace.py), in the log; Stage1: of the full call and "
+                      "of each stage alone (also in the JSON row's 'trace'); --layer: of each "
+                      "path (also in <out>/<tag>-trace.txt)")
   p.add_argument("--merge", nargs="+", metavar="JSON",
                  help="run nothing: one table, JSON and PNG (under --out, named --tag) from "
                       "earlier runs' JSON files of one mode, e.g. a run cut short by a time limit "

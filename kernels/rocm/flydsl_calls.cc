@@ -1,9 +1,9 @@
 // The FlyDSL kernels' exported C functions (kernels/rocm/flydsl/, one object per target, each
 // embedding its code object) behind the contracts the handlers use: GEMM1 and GEMM2
-// (kernels/rocm/gemm1.h) and engine sdma's dispatch kernel (kernels/rocm/sdma/puts.h). The target is the current
-// device's gcnArchName ("gfx950:sramecc+:xnack-" -> gfx950); each call loads its module on the
-// device the first time (the exports' call_auto). Compiled where those objects were built
-// (JSM_ROCM_FLYDSL), against their generated headers.
+// (kernels/rocm/gemm1.h) and engine sdma's dispatch kernel (kernels/rocm/sdma/puts.h). The target
+// is the current device's gcnArchName ("gfx950:sramecc+:xnack-" -> gfx950); each call loads its
+// module on the device the first time (the exports' call_auto). Compiled where those objects were
+// built (JSM_ROCM_FLYDSL), against their generated headers.
 #include <hip/hip_runtime_api.h>
 
 #include <mutex>

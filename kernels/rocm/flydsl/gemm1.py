@@ -285,7 +285,8 @@ def _store_tile(acc, h, h_scales, mx_out, row0, rows, n0, I, has_limit, limit, w
 # ----------------------------------------------------------------------------------------------
 @flyc.jit
 def _store_plain_tile(acc, h, row0, rows, n0, I, wm, wn, lane16, lane_group):
-    """GEMM2's epilogue: the wave's 4 column blocks are 64 consecutive output columns, bf16 (RNE)."""
+    """GEMM2's epilogue: the wave's 4 column blocks are 64 consecutive output columns, bf16
+    (RNE)."""
     col0 = n0 + wn * fx.Int32(2 * WAVE_N)
     for i in range_constexpr(MSUB):
         for v in range_constexpr(4):
