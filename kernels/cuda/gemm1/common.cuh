@@ -32,7 +32,21 @@ __device__ __forceinline__ float swiglu(float g, float u, bool has_limit, float 
     g = fminf(g, limit);
     u = fminf(fmaxf(u, -limit), limit);
   }
-  return g * __frcp_rn(1.0f + __expf(-g)) * u;  // not an IEEE division: within DESIGN §3
+  // The hardware's approximate exp2 and reciprocal, no branch: the IEEE forms (__frcp_rn, __expf
+  // without ftz) branch per value, which serialised the epilogue's 64 values per thread (the
+  // tensor pipe idles through it); within DESIGN §3's tolerance. Where exp(-g) overflows, r = 0:
+  // -0 * u, as g / (1 + exp(-g)) gives.
+  float e, r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(g * -1.4426950408889634f));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + e));
+  return g * r * u;
+}
+
+// bf16x2 of two float32 (RNE; lo in the low half), one instruction.
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  uint32_t d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
 }
 
 // One row's 32-column MX block of h, this thread's 8 values v[n][c] at columns n * 8 + tig * 2 + c:

@@ -359,82 +359,81 @@ __device__ __forceinline__ void issue_block(float (&gate)[kTok / 2], float (&up)
   fence_acc(up);
 }
 
-// 32 columns of h for one token row from 32 float32 values: bf16, or MX-fp8 with its scale byte.
-__device__ __forceinline__ void store_h_block(const Gemm1Args& g, int64_t row, int64_t col0,
-                                              const float* v) {
+// Half of an MX block of h (16 columns col0 .. of one token row) from 16 float32 values: bf16, or
+// MX-fp8 with the block's maximum taken over this lane and its partner (lane ^ 1, the other half;
+// both lanes call, valid or not); `valid` stores.
+__device__ __forceinline__ void store_h_half(const Gemm1Args& g, int64_t row, int64_t col0,
+                                             const float (&v)[16], int half, bool valid) {
   if (g.h_bf16) {
+    if (!valid) return;
     uint4* dst = reinterpret_cast<uint4*>(g.h_bf16 + row * g.I + col0);
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      uint32_t p[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        p[i] = uint32_t(f32_to_bf16(v[q * 8 + 2 * i])) |
-               uint32_t(f32_to_bf16(v[q * 8 + 2 * i + 1])) << 16;
-      dst[q] = make_uint4(p[0], p[1], p[2], p[3]);
-    }
+    for (int q = 0; q < 2; ++q)
+      dst[q] = make_uint4(pack_bf16x2(v[8 * q], v[8 * q + 1]),
+                          pack_bf16x2(v[8 * q + 2], v[8 * q + 3]),
+                          pack_bf16x2(v[8 * q + 4], v[8 * q + 5]),
+                          pack_bf16x2(v[8 * q + 6], v[8 * q + 7]));
     return;
   }
   float amax = 0.0f;
   bool finite = true;
 #pragma unroll
-  for (int i = 0; i < 32; ++i) {
+  for (int i = 0; i < 16; ++i) {
     amax = fmaxf(amax, fabsf(v[i]));
     finite &= isfinite(v[i]);
   }
+  amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+  finite = __shfl_xor_sync(0xFFFFFFFFu, int(finite), 1) && finite;
+  if (!valid) return;
   const uint32_t e = finite ? e8m0_for_amax(amax) : kScaleNaN;
   const float mul = quant_multiplier(e);
-  uint4* dst = reinterpret_cast<uint4*>(g.h_values + row * g.I + col0);
+  uint32_t p[4];
 #pragma unroll
-  for (int q = 0; q < 2; ++q) {
-    uint32_t p[4];
+  for (int i = 0; i < 4; ++i) {
+    uint32_t word = 0;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      uint32_t word = 0;
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        const float x = v[q * 16 + i * 4 + b];
-        word |= uint32_t(finite ? f32_to_e4m3fn(x * mul) : kValueNaN) << (8 * b);
-      }
-      p[i] = word;
-    }
-    dst[q] = make_uint4(p[0], p[1], p[2], p[3]);
+    for (int b = 0; b < 4; ++b)
+      word |= uint32_t(finite ? f32_to_e4m3fn(v[i * 4 + b] * mul) : kValueNaN) << (8 * b);
+    p[i] = word;
   }
-  g.h_scales[row * (g.I / kBlock) + col0 / kBlock] = uint8_t(e);
+  *reinterpret_cast<uint4*>(g.h_values + row * g.I + col0) = make_uint4(p[0], p[1], p[2], p[3]);
+  if (half == 0) g.h_scales[row * (g.I / kBlock) + col0 / kBlock] = uint8_t(e);
 }
 
 // 64 columns of the output, col0 .., x the tile's tokens from the warpgroup's fragments
-// (value(i): fragment index i's float), staged through shared memory (so each thread stores 32
-// consecutive columns of one token: one MX block), 64 tokens at a time.
+// (value(i): fragment index i's float), staged through shared memory 32 tokens at a time, so that
+// each thread stores 16 consecutive columns of one token (half an MX block; its partner lane the
+// other half): all 128 threads store.
 template <int kTok, class Value>
 __device__ __forceinline__ void store_columns(const Gemm1Args& g, const Tile& t, float* epi,
                                               Value value, int64_t col0, int cw, int tid,
                                               int row_g, int tig) {
   constexpr int kPass = kTok < kEpiTokens ? kTok : kEpiTokens;  // tokens per pass
+  static_assert(kPass == 32, "128 threads: 32 tokens x 2 MX blocks x 2 halves");
+  // thread (blk, tok, half): 8 consecutive threads read 8 distinct 16-byte bank groups
+  const int half = tid % 2, tok = tid / 2 % 32, blk = tid / 64;
 #pragma unroll
-  for (int half = 0; half < kTok / kPass; ++half) {
-    if (half > 0 && t.rows <= half * kPass) break;
+  for (int pass = 0; pass < kTok / kPass; ++pass) {
+    if (pass > 0 && t.rows <= pass * kPass) break;
 #pragma unroll
     for (int j = 0; j < kPass / 8; ++j)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-          const int i = half * (kPass / 2) + j * 4 + 2 * h + c;
+          const int i = pass * (kPass / 2) + j * 4 + 2 * h + c;
           epi[(j * 8 + 2 * tig + c) * kEpiStride + row_g + 8 * h] = value(i);
         }
     consumer_barrier(cw);
-    const int tok = tid % 64, blk = tid / 64;
-    if (tok < kPass && half * kPass + tok < t.rows) {
-      float v[32];
+    float v[16];
 #pragma unroll
-      for (int q = 0; q < 8; ++q) {
-        const float4 x =
-            *reinterpret_cast<const float4*>(epi + tok * kEpiStride + blk * 32 + 4 * q);
-        v[4 * q] = x.x, v[4 * q + 1] = x.y, v[4 * q + 2] = x.z, v[4 * q + 3] = x.w;
-      }
-      store_h_block(g, t.row0 + half * kPass + tok, col0 + blk * 32, v);
+    for (int q = 0; q < 4; ++q) {
+      const float4 x = *reinterpret_cast<const float4*>(epi + tok * kEpiStride + blk * 32 +
+                                                        half * 16 + 4 * q);
+      v[4 * q] = x.x, v[4 * q + 1] = x.y, v[4 * q + 2] = x.z, v[4 * q + 3] = x.w;
     }
+    store_h_half(g, t.row0 + pass * kPass + tok, col0 + blk * 32 + half * 16, v, half,
+                 pass * kPass + tok < t.rows);
     consumer_barrier(cw);  // the staging is free again
   }
 }
