@@ -281,10 +281,11 @@ class CudaTwoRanksOneGpuTest(absltest.TestCase):
 
   def test_two_processes_share_the_gpu(self):
     """The mpirun launch mode's protocol (engines ce and sm, stage1 and the layer: the checks of
-    tests/mp_gpu_worker.py) with both ranks' processes on this one GPU: windows opened by CUDA IPC
-    from the other process, copies and stores that cross processes, bounded waits that outlast
-    the two contexts taking turns on the GPU. Bytes only: the timing of shared-GPU ranks says
-    nothing of two GPUs."""
+    tests/mp_gpu_worker.py on its small shapes; dsv3's sizes run in test_multigpu.py, as they do
+    not fit beside the 75% of the GPU this process holds) with both ranks' processes on this one
+    GPU: windows opened by CUDA IPC from the other process, copies and stores that cross
+    processes, bounded waits that outlast the two contexts taking turns on the GPU. Bytes only:
+    the timing of shared-GPU ranks says nothing of two GPUs."""
     _util.run_mp_gpu_workers(self, 2, timeout=500, gpu=0)
 
 
