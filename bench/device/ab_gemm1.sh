@@ -10,7 +10,8 @@
 #   bash bench/device/ab_gemm1.sh [--timeout S] [--rows ROWS] [--shapes S] [--FLAG VALUE...]
 #                                 VARIANT...   (--FLAG VALUE: more bench/run.py flags)
 #   e.g. bash bench/device/ab_gemm1.sh base scratch/prefetch.patch scratch/a.patch+scratch/b.patch
-# (default --timeout 150 per variant, --rows 128x2,32768, --shapes dsv3). Logs: $OUT/ab-<n>-*.log;
+# (default --timeout 150 per variant, --rows 128x2,32768, --shapes dsv3). Logs: $OUT/ab-<n>-*.log
+# (ab2-<n>-*.log, ... for a second run in the same device call);
 # the last lines: one `gemm1 alone` row per variant and rows entry.
 # --unchecked: time with bench/gemm1_profile.py --time 10 instead (pipelined ms; R = 1 rows of
 # --rows over 128 experts, one TIMING line per variant and rows entry), whose output is NOT
@@ -43,6 +44,9 @@ done
 # a variant that hangs (no output for 60 s: bench/run.py prints progress every ~10 s, the
 # unchecked timing one line per ~20 s) is stopped there, not at --timeout
 GUARD=("bash" "$REPO/bench/device/idle_guard.sh" 60)
+# this run's logs: $OUT/ab-<n>-*, or ab2-<n>-*, ... after an earlier run of the same device call
+RUN=ab
+for ((k = 2; ; k++)); do compgen -G "$OUT/$RUN-1-*" > /dev/null || break; RUN=ab$k; done
 pristine=$(mktemp -d)
 cp -a kernels ffi jax_sdma_moe "$pristine"/
 restore() { rm -rf kernels ffi jax_sdma_moe && cp -a "$pristine"/{kernels,ffi,jax_sdma_moe} .; }
@@ -59,39 +63,39 @@ for variant in "${VARIANTS[@]}"; do
     IFS=+ read -ra patches <<< "$variant"
     for p in "${patches[@]}"; do
       mapfile -t -O "${#patched[@]}" patched < <(git apply --numstat "$p" | cut -f3)
-      git apply "$p" > "$OUT/ab-$n-apply.log" 2>&1 || { ok=0; note "$variant: $p does not apply"; }
+      git apply "$p" > "$OUT/$RUN-$n-apply.log" 2>&1 || { ok=0; note "$variant: $p does not apply"; }
     done
   fi
   ((${#touched[@]} + ${#patched[@]})) && touch "${touched[@]}" "${patched[@]}"
   touched=("${patched[@]}")
   if ((ok)); then
-    if step "ab-$n-build" 480 python3 -m pip install -v --no-build-isolation --no-deps \
+    if step "$RUN-$n-build" 480 python3 -m pip install -v --no-build-isolation --no-deps \
          --no-index .; then
       cd /tmp  # the installed package, not the checkout's sources
       if [[ -n $TOKENS ]]; then
-        step "ab-$n-time" "$TIMEOUT" "${GUARD[@]}" "$OUT/ab-$n-time.log" \
+        step "$RUN-$n-time" "$TIMEOUT" "${GUARD[@]}" "$OUT/$RUN-$n-time.log" \
           python3 "$REPO/bench/run.py" --gpu --devices 1 --tokens "$TOKENS" --shapes "$SHAPES" \
-          --skip-peers all --skip-native ragged --iters 10 --warmup 2 --out "$OUT/ab-$n" \
+          --skip-peers all --skip-native ragged --iters 10 --warmup 2 --out "$OUT/$RUN-$n" \
           "${ARGS[@]}"
       elif ((UNCHECKED)); then
-        step "ab-$n-time" "$TIMEOUT" "${GUARD[@]}" "$OUT/ab-$n-time.log" \
+        step "$RUN-$n-time" "$TIMEOUT" "${GUARD[@]}" "$OUT/$RUN-$n-time.log" \
           bash -c 'for s in ${1//,/ }; do for r in ${2//,/ }; do
             python3 "$3/bench/gemm1_profile.py" "$s" --rows "$r" --experts 128 --time 10 || exit
           done; done' _ "$SHAPES" "$ROWS" "$REPO"
       else
-        step "ab-$n-time" "$TIMEOUT" "${GUARD[@]}" "$OUT/ab-$n-time.log" \
+        step "$RUN-$n-time" "$TIMEOUT" "${GUARD[@]}" "$OUT/$RUN-$n-time.log" \
           python3 "$REPO/bench/run.py" --gpu --devices 1 \
           --gemm1-rows "$ROWS" --experts 128 --shapes "$SHAPES" --skip-peers all --iters 10 \
-          --warmup 2 --out "$OUT/ab-$n" "${ARGS[@]}"
+          --warmup 2 --out "$OUT/$RUN-$n" "${ARGS[@]}"
       fi
       cd "$REPO"
     fi
     while IFS= read -r line; do TABLE+=("$(printf '%-40s %s' "$variant" "$line")"); done < <(
-        grep -E "gemm1 alone|^TIMING|engine:local " "$OUT/ab-$n-time.log")
+        grep -E "gemm1 alone|^TIMING|engine:local " "$OUT/$RUN-$n-time.log")
   fi
 done
 restore
 rm -f /tmp/jsm-built  # the installed package is the last variant's: later scripts rebuild
 summary
-printf '%-40s %s\n' variant "$(grep -m1 "^shape " "$OUT/ab-1-time.log" 2>/dev/null)"
+printf '%-40s %s\n' variant "$(grep -m1 "^shape " "$OUT/$RUN-1-time.log" 2>/dev/null)"
 printf '%s\n' "${TABLE[@]}"
