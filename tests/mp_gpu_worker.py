@@ -2,20 +2,19 @@
 test_multigpu.py, JAX using one GPU each: python mp_gpu_worker.py PROCESS_ID NUM_PROCESSES PORT
 SEED [GPU] (GPU: the CUDA device of this process, PROCESS_ID by default; test_cuda.py puts both
 ranks on GPU 0, which checks the protocol's bytes on a one-GPU machine: CUDA IPC opens a window of
-the same device from another process, and the two processes' kernels take turns on it; there the
-small shapes only, beside the test process's memory pool). Each
-process holds one rank; engines ce and sm must land the same bytes on it, equal to the
-reference layout with h of sampled experts within §3, and 20 back-to-back calls per engine stay
-correct; jsm.moe with engines sm and ce (their combines through the IPC-opened windows) matches
-the reference on this rank's tokens in back-to-back calls, byte for byte between the engines;
-engine xla is refused with a clear error.
+the same device from another process, and the two processes' kernels take turns on it; there only
+the small shapes run, beside the test process's memory pool). Each process holds one rank;
+engines ce and sm must land the same bytes on it, equal to the reference layout with h of sampled
+experts within §3, and 20 back-to-back calls per engine stay correct; jsm.moe with engines sm and
+ce (their combines through the IPC-opened windows) matches the reference on this rank's tokens in
+back-to-back calls, byte for byte between the engines; engine xla is refused with a clear error.
 Prints 'OK rank N' on success."""
 import os
 import sys
 
 pid, nproc, port, seed = (int(a) for a in sys.argv[1:5])
-gpu = int(sys.argv[5]) if len(sys.argv) > 5 else pid
-shared_gpu = len(sys.argv) > 5  # every rank on one GPU: the small shapes only
+shared_gpu = len(sys.argv) > 5  # GPU given: every rank on that one GPU, the small shapes only
+gpu = int(sys.argv[5]) if shared_gpu else pid
 
 import jax  # noqa: E402
 
@@ -140,7 +139,7 @@ r = np.random.default_rng(seed)  # the same problems in every process
 pick = np.random.default_rng(seed + 1 + pid)  # this rank's sampled experts
 run("small", 128, r, iters=20)
 run("small", 1, r)
-if not shared_gpu:  # dsv3's windows and weights do not fit beside test_cuda.py's 75% of the GPU
+if not shared_gpu:  # dsv3's windows and weights do not fit beside the test process's 75% pool
   run("dsv3", 128, r)
   run("dsv3", 4096, r)
 run_moe(64, r)
