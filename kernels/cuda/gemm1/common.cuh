@@ -49,6 +49,31 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return d;
 }
 
+// The maximum |value| of an MX block whose kN values per thread are spread over kLanes
+// consecutive lanes (all of them must call), and whether all are finite.
+template <int kLanes, int kN>
+__device__ __forceinline__ void block_amax(const float* v, float& amax, bool& finite) {
+  amax = 0.0f;
+  finite = true;
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+    amax = fmaxf(amax, fabsf(v[i]));
+    finite &= isfinite(v[i]);
+  }
+#pragma unroll
+  for (int o = 1; o < kLanes; o <<= 1) {
+    amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+    finite = __shfl_xor_sync(0xFFFFFFFFu, int(finite), o) && finite;
+  }
+}
+
+// Two values of a block as e4m3 bytes (lo in the low byte), times the block's quantisation
+// multiplier; every value NaN where the block holds a non-finite one (DESIGN §3).
+__device__ __forceinline__ uint32_t e4m3x2(float lo, float hi, float mul, bool finite) {
+  if (!finite) return uint32_t(kValueNaN) * 0x0101u;
+  return uint32_t(f32_to_e4m3fn(lo * mul)) | uint32_t(f32_to_e4m3fn(hi * mul)) << 8;
+}
+
 // One row's 32-column MX block of h, this thread's 8 values v[n][c] at columns n * 8 + tig * 2 + c:
 // bf16 stores, or MX-fp8 with the block maximum reduced over the quad (all 4 lanes must call).
 __device__ __forceinline__ void store_block(const Gemm1Args& g, int64_t row, int64_t col0,
@@ -56,36 +81,21 @@ __device__ __forceinline__ void store_block(const Gemm1Args& g, int64_t row, int
   if (g.h_bf16) {
     if (!valid) return;
 #pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      const uint32_t packed = uint32_t(f32_to_bf16(v[n][0])) | uint32_t(f32_to_bf16(v[n][1])) << 16;
-      *reinterpret_cast<uint32_t*>(g.h_bf16 + row * g.I + col0 + n * 8 + tig * 2) = packed;
-    }
+    for (int n = 0; n < 4; ++n)
+      *reinterpret_cast<uint32_t*>(g.h_bf16 + row * g.I + col0 + n * 8 + tig * 2) =
+          pack_bf16x2(v[n][0], v[n][1]);
     return;
   }
-  float amax = 0.0f;
-  bool finite = true;
-#pragma unroll
-  for (int n = 0; n < 4; ++n)
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      amax = fmaxf(amax, fabsf(v[n][c]));
-      finite &= isfinite(v[n][c]);
-    }
-#pragma unroll
-  for (int o = 1; o <= 2; o <<= 1) {
-    amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-    finite = __shfl_xor_sync(0xFFFFFFFFu, int(finite), o) && finite;
-  }
+  float amax;
+  bool finite;
+  block_amax<4, 8>(&v[0][0], amax, finite);
   if (!valid) return;
   const uint32_t e = finite ? e8m0_for_amax(amax) : kScaleNaN;
   const float mul = quant_multiplier(e);
 #pragma unroll
-  for (int n = 0; n < 4; ++n) {
-    const uint8_t y0 = finite ? f32_to_e4m3fn(v[n][0] * mul) : kValueNaN;
-    const uint8_t y1 = finite ? f32_to_e4m3fn(v[n][1] * mul) : kValueNaN;
+  for (int n = 0; n < 4; ++n)
     *reinterpret_cast<uint16_t*>(g.h_values + row * g.I + col0 + n * 8 + tig * 2) =
-        uint16_t(y0 | (y1 << 8));
-  }
+        uint16_t(e4m3x2(v[n][0], v[n][1], mul, finite));
   if (tig == 0) g.h_scales[row * (g.I / kBlock) + col0 / kBlock] = uint8_t(e);
 }
 

@@ -375,27 +375,17 @@ __device__ __forceinline__ void store_h_half(const Gemm1Args& g, int64_t row, in
                           pack_bf16x2(v[8 * q + 6], v[8 * q + 7]));
     return;
   }
-  float amax = 0.0f;
-  bool finite = true;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    amax = fmaxf(amax, fabsf(v[i]));
-    finite &= isfinite(v[i]);
-  }
-  amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
-  finite = __shfl_xor_sync(0xFFFFFFFFu, int(finite), 1) && finite;
+  float amax;
+  bool finite;
+  block_amax<2, 16>(v, amax, finite);
   if (!valid) return;
   const uint32_t e = finite ? e8m0_for_amax(amax) : kScaleNaN;
   const float mul = quant_multiplier(e);
   uint32_t p[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    uint32_t word = 0;
-#pragma unroll
-    for (int b = 0; b < 4; ++b)
-      word |= uint32_t(finite ? f32_to_e4m3fn(v[i * 4 + b] * mul) : kValueNaN) << (8 * b);
-    p[i] = word;
-  }
+  for (int i = 0; i < 4; ++i)
+    p[i] = e4m3x2(v[4 * i], v[4 * i + 1], mul, finite) |
+           e4m3x2(v[4 * i + 2], v[4 * i + 3], mul, finite) << 16;
   *reinterpret_cast<uint4*>(g.h_values + row * g.I + col0) = make_uint4(p[0], p[1], p[2], p[3]);
   if (half == 0) g.h_scales[row * (g.I / kBlock) + col0 / kBlock] = uint8_t(e);
 }
