@@ -186,7 +186,7 @@ def format_single_device_table(rows: Sequence[dict], ceilings: dict, skipped: se
                    f"(ms after the dispatch's start, mean over calls, max over ranks): GEMM "
                    f"starts {t['gemm_start_ms']:.2f}, ends {t['gemm_end_ms']:.2f}; side stream "
                    f"done {t['side_end_ms']:.2f}"
-                   + (f"; first chunk of peer copies landed {t['first_chunk_ms']:.2f}"
+                   + (f"; first peer's copies landed {t['first_chunk_ms']:.2f}"
                       if t.get("first_chunk_ms") is not None else ""))
     if "ce_host_us" in r:
       h = r["ce_host_us"]

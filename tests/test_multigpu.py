@@ -202,6 +202,8 @@ class MultiGpuStage1Test(parameterized.TestCase):
           self.assertGreater(st["plan_us"], 0)
           self.assertGreater(st["enqueue_us"], 0)
           self.assertGreaterEqual(st["copies"], 200, f"rank {rank}: every call copies rows")
+          # each peer's rows in one piece (values, then meta rows), whatever the experts
+          self.assertLessEqual(st["copies"], 200 * 2 * (R - 1), f"rank {rank}")
           self.assertLessEqual(st["single_copies"], st["copies"])
 
   @parameterized.parameters("ce", "sm")

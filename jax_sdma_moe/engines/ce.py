@@ -1,6 +1,8 @@
-"""Engine `ce` (CUDA): the rows cross to the peers on the copy engines — batched peer copies into
-the peers' windows, each chunk of experts followed in stream order by its signals — while a
-kernel stores the rank's own rows; one host synchronisation per call for the plan. Its combine
+"""Engine `ce` (CUDA): the rows cross to the peers on the copy engines — each peer's rows in one
+piece (two copies: values, and meta rows of header + scales) into the peer's staging, followed in
+stream order by its flag, whatever the experts; a placement kernel on a few SMs puts the staged
+rows at their offsets beside the fused GEMM — while a kernel stores the rank's own rows; one host
+synchronisation per call for the plan. Its combine
 copies each (expert, source) run of GEMM2 rows back whole, with no host wait (the plan is on the
 host since the dispatch)."""
 from __future__ import annotations

@@ -76,7 +76,7 @@ class CudaWindowEngine(WindowEngine):
     device-side timeline of the fused calls (dispatch + GEMM, outside CUDA graphs) so far, means
     over the calls whose events had completed by the rank's next call, in ms after the dispatch's
     start on XLA's stream: XLA's stream reaching the fused GEMM and leaving it, the side stream
-    done (ce: the peers' copies; sm: its kernel), and for ce the first chunk of the peers' copies
+    done (ce: the peers' copies; sm: its kernel), and for ce the first peer's copies
     landed (None for sm). {} before a timed call."""
     out = {}
     for rank, t in self._rank_stats(self._TIMELINE_KEYS).items():

@@ -13,6 +13,11 @@
 //   3. source s puts each (destination d, local expert e) segment — values, scales and the 16-byte
 //      row header {src rank, token, slot, weight} — at its offset in d's slot p, then writes
 //      seg_flag[p][e][s] = n at d (flags of one expert are contiguous: one load reads all R);
+//      Engine ce puts instead each destination's rows in one piece: its values and its meta rows
+//      (header + scales, send_meta) into stage_values/stage_meta[p] of d at this source's region,
+//      then writes stage_flag[p][s] = n there; d's placement kernel waits for that flag
+//      (bounded), copies each (expert, source) segment to its offset in slot p and raises
+//      seg_flag[p][e][s] = n itself. So the copies per call do not grow with the experts.
 //   4. the destination waits for seg_flag[p][e][s] >= n (bounded) before reading expert e.
 // Two parities suffice: a source sends epoch n + 2 only after seeing every peer's epoch n + 1
 // plan, which each peer sends after it has read out its epoch n slot (stream order).
@@ -69,14 +74,30 @@ struct EpWindowLayout {
   // [R] uint32; the combine's own call count (uint32); ret_out_meta [m_cap] ReturnMeta, the
   // stamps of this rank's outgoing rows (ce)
   int64_t ret_rows[2], ret_meta[2], ret_flag[2], ret_epoch_counter, ret_out_meta;
+  // engine ce's staging (0 where the window has none): send_meta [send_rows] rows of
+  // ep_meta_stride(H) bytes, each outgoing row's header then its scale bytes (so one copy per
+  // destination carries both); slot p: stage_values [R - 1 sources][send_rows, H] and stage_meta
+  // [R - 1][send_rows] meta rows, each source's rows to this rank in its send order (expert, then
+  // token; ep_stage_index), and stage_flag [R src] uint32
+  int64_t send_meta, stage_values[2], stage_meta[2], stage_flag[2];
   int64_t bytes;
 };
+
+// A meta row (engine ce's staging): the 16-byte RowHeader, then the row's H / 32 scale bytes,
+// padded to 16 bytes.
+JSM_HD int64_t ep_meta_stride(int64_t H) {
+  return (int64_t(sizeof(RowHeader)) + H / kBlock + 15) / 16 * 16;
+}
+
+// Where source s's rows sit in destination d's staging (s != d): one region per peer.
+JSM_HD int64_t ep_stage_index(int64_t s, int64_t d) { return s < d ? s : s - 1; }
 
 JSM_HD int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
 // with_return: also the return regions of the combine (2 * send_rows * (2 H + 8) + 8 m_cap bytes
-// more).
-JSM_HD EpWindowLayout ep_window_layout(const DispatchGeometry& g, bool with_return = false) {
+// more); with_staging: engine ce's staging (about 2 (R - 1) + 1 times the send buffer's bytes).
+JSM_HD EpWindowLayout ep_window_layout(const DispatchGeometry& g, bool with_return = false,
+                                       bool with_staging = false) {
   EpWindowLayout w{};
   int64_t off = 0;
   auto take = [&off](int64_t bytes) {
@@ -102,6 +123,15 @@ JSM_HD EpWindowLayout ep_window_layout(const DispatchGeometry& g, bool with_retu
     }
     w.ret_epoch_counter = take(4);
     w.ret_out_meta = take(g.m_cap * int64_t(sizeof(ReturnMeta)));
+  }
+  if (with_staging) {
+    const int64_t meta = ep_meta_stride(g.H);
+    w.send_meta = take(g.send_rows * meta);
+    for (int p = 0; p < 2; ++p) {
+      w.stage_values[p] = take((g.R - 1) * g.send_rows * g.H);
+      w.stage_meta[p] = take((g.R - 1) * g.send_rows * meta);
+      w.stage_flag[p] = take(g.R * 4);
+    }
   }
   w.bytes = off;
   return w;

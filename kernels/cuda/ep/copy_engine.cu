@@ -2,9 +2,10 @@
 // between GPUs is a copy-engine operation: the plan (each source's counts) goes to every
 // destination by a peer copy followed by a stream-ordered flag write (cuStreamBatchMemOp); the
 // host then waits, bounded, for every source's plan (one host synchronisation per call, like
-// DeepEP's normal mode), computes every segment's landing offset, and enqueues the rows as batched
-// copies (cudaMemcpyBatchAsync), each chunk of experts followed by the write of its signals at the
-// destination. No SM touches a row in flight.
+// DeepEP's normal mode; its own counts size the copies, the whole plan serves the combine), and
+// enqueues each peer's rows as two copies (cudaMemcpyBatchAsync) into the peer's staging, then the
+// write of its flag there; the peer's placement kernel puts them at their offsets. No SM touches
+// a row in flight between GPUs.
 #include "kernels/cuda/ep/copy_engine.h"
 
 #include <cuda.h>  // CUstreamBatchMemOpParams (the function itself comes from the runtime)
@@ -23,8 +24,6 @@ using cuda::EpWindowLayout;
 using cuda::at;
 
 namespace {
-
-constexpr int kFlagChunk = 16;  // experts per batch of copies before their signals
 
 using BatchMemOpFn = CUresult (*)(CUstream, unsigned int, CUstreamBatchMemOpParams*, unsigned int);
 
@@ -118,13 +117,13 @@ std::string ce_plan_put(cudaStream_t st, const WindowSet& w, LocalRank& me, cons
 }
 
 // Engine ce, step 2: every source's plan read back to the host (me.h_plan) through stream `st`;
-// the host waits for it, bounded (one host synchronisation per call, like DeepEP's normal mode),
-// then computes where this rank's segments land (`puts`). The first poll also waits for what `st`
-// holds before it (XLA's stream: this rank's route and qpack; the side stream: the fork), counted
-// apart as plan_stream_ns; the rest is the peers.
+// the host waits for it, bounded (one host synchronisation per call, like DeepEP's normal mode):
+// this rank's counts size its copies, and the combine finds its runs there. The first poll also
+// waits for what `st` holds before it (XLA's stream: this rank's route and qpack; the side
+// stream: the fork), counted apart as plan_stream_ns; the rest is the peers.
 std::string ce_plan_wait(cudaStream_t st, const WindowSet& w, LocalRank& me, uint32_t epoch,
-                         const DispatchOptions& opt, std::chrono::steady_clock::time_point started,
-                         std::vector<SegmentPut>& puts) {
+                         const DispatchOptions& opt,
+                         std::chrono::steady_clock::time_point started) {
   const int64_t R = w.g.R, EL = w.g.EL;
   const int p = int(epoch & 1);
   const EpWindowLayout& L = w.L;
@@ -152,49 +151,48 @@ std::string ce_plan_wait(cudaStream_t st, const WindowSet& w, LocalRank& me, uin
                cudaMemcpyAsync(me.h_plan, at<int32_t>(me.own, L.plan[p]),
                                size_t(R * R * EL) * 4, cudaMemcpyDeviceToHost, st));
   JSM_CUDA_TRY("dispatch ce plan read", cudaStreamSynchronize(st));
-  puts = segment_puts(me.h_plan, R, EL, me.rank, opt.row_align, w.g.m_cap);
   me.stats->calls += 1;
   me.stats->plan_ns += elapsed_ns(started);
   return "";
 }
 
-// Engine ce, step 3: the rows and their headers (made by dispatch() before the fork) that go to
-// the peers, put where `puts` says (ce_plan_wait), on the side stream after the fused GEMM's
-// launch. (The rank's own segments are stored by a kernel: engine.cu says why.)
+// Engine ce, step 3: each peer's rows in one piece, on the side stream after the fused GEMM's
+// launch: the run of this rank's send buffer for that destination (send order: destination, then
+// expert, then token) into the peer's staging region for this rank, its values and its meta rows
+// (header + scales, made by dispatch() before the fork) as two copies, then the write of this
+// rank's stage_flag there. The peer's placement kernel puts the rows at their offsets. So a call
+// makes 2 (R - 1) copies whatever the experts. Needs only this rank's own counts of the plan.
+// (The rank's own segments are stored by a kernel: engine.cu says why.)
 std::string ce_peer_rows(cudaStream_t stream, const WindowSet& w, LocalRank& me,
-                         const cuda::EpArgs& a, uint32_t epoch, const std::vector<SegmentPut>& puts,
-                         cudaEvent_t after_first_chunk) {
-  const int64_t R = w.g.R, EL = w.g.EL, H = w.g.H, HS = H / kBlock;
+                         const cuda::EpArgs& a, uint32_t epoch, cudaEvent_t after_first_peer) {
+  const int64_t R = w.g.R, EL = w.g.EL, H = w.g.H, meta = cuda::ep_meta_stride(H);
   const int p = int(epoch & 1), rank = me.rank;
   const EpWindowLayout& L = w.L;
-  const cuda::RowHeader* headers = at<cuda::RowHeader>(me.own, L.send_headers);
+  const int32_t* counts = me.h_plan + int64_t(rank) * R * EL;  // this rank's [R dst][EL]
+  const uint8_t* send_meta = at<uint8_t>(me.own, L.send_meta);
   const auto started = std::chrono::steady_clock::now();
-  std::vector<uint32_t*> flags;
-  // segments in chunks of experts, each chunk to every destination then its signals: every
-  // rank's fused GEMM can start on its first experts while later ones move
+  std::vector<int64_t> start(size_t(R) + 1, 0);  // each destination's run in the send buffer
+  for (int64_t d = 0; d < R; ++d) {
+    int64_t n = 0;
+    for (int64_t e = 0; e < EL; ++e) n += counts[d * EL + e];
+    start[size_t(d) + 1] = start[size_t(d)] + n;
+  }
   CopyBatch batch;
-  for (int64_t e0 = 0; e0 < EL; e0 += kFlagChunk) {
-    for (int64_t j = 1; j < R; ++j) {
-      const int64_t d = (rank + j) % R;
-      uint8_t* dst = me.peers.base[d];
-      flags.clear();
-      for (int64_t e = e0; e < std::min<int64_t>(EL, e0 + kFlagChunk); ++e) {
-        const SegmentPut& q = puts[size_t(d * EL + e)];
-        batch.add(at<uint8_t>(dst, L.values[p]) + q.base * H, a.values + q.from * H,
-                  size_t(q.keep * H));
-        batch.add(at<uint8_t>(dst, L.scales[p]) + q.base * HS, a.scales + q.from * HS,
-                  size_t(q.keep * HS));
-        batch.add(at<cuda::RowHeader>(dst, L.headers[p]) + q.base, headers + q.from,
-                  size_t(q.keep) * sizeof(cuda::RowHeader));
-        flags.push_back(at<uint32_t>(dst, L.seg_flag[p]) + e * R + rank);
-      }
-      std::string err = put(batch, stream, *me.stats);
-      if (err.empty()) err = write_flags(stream, flags, epoch);
-      if (!err.empty()) return err;
-      if (after_first_chunk) {
-        JSM_CUDA_TRY("dispatch mark", cudaEventRecord(after_first_chunk, stream));
-        after_first_chunk = nullptr;
-      }
+  for (int64_t j = 1; j < R; ++j) {
+    const int64_t d = (rank + j) % R, from = start[size_t(d)];
+    const int64_t n = start[size_t(d) + 1] - from;
+    const int64_t region = cuda::ep_stage_index(rank, d) * w.g.send_rows;
+    uint8_t* dst = me.peers.base[d];
+    batch.add(at<uint8_t>(dst, L.stage_values[p]) + region * H, a.values + from * H,
+              size_t(n * H));
+    batch.add(at<uint8_t>(dst, L.stage_meta[p]) + region * meta, send_meta + from * meta,
+              size_t(n * meta));
+    std::string err = put(batch, stream, *me.stats);
+    if (err.empty()) err = write_flags(stream, {at<uint32_t>(dst, L.stage_flag[p]) + rank}, epoch);
+    if (!err.empty()) return err;
+    if (after_first_peer) {
+      JSM_CUDA_TRY("dispatch mark", cudaEventRecord(after_first_peer, stream));
+      after_first_peer = nullptr;
     }
   }
   me.stats->enqueue_ns += elapsed_ns(started);

@@ -20,18 +20,18 @@ namespace ep {
 std::string ce_plan_put(cudaStream_t st, const WindowSet& w, LocalRank& me, const cuda::EpArgs& a,
                         uint32_t epoch);
 
-// 2. the host's bounded wait for every source's plan through stream `st`, then where this rank's
-// segments land (`puts`).
+// 2. the host's bounded wait for every source's plan through stream `st`, which it reads into
+// me.h_plan.
 std::string ce_plan_wait(cudaStream_t st, const WindowSet& w, LocalRank& me, uint32_t epoch,
-                         const DispatchOptions& opt, std::chrono::steady_clock::time_point started,
-                         std::vector<SegmentPut>& puts);
+                         const DispatchOptions& opt,
+                         std::chrono::steady_clock::time_point started);
 
-// 3. the rows and their headers that go to the peers, where `puts` says, each chunk of experts
-// followed by its signals. after_first_chunk: an event recorded once the first chunk is enqueued
-// (or null).
+// 3. each peer's rows (values, then meta rows) in one piece into its staging, then its flag
+// there (the peer's placement kernel puts them at their offsets). after_first_peer: an event
+// recorded once the first peer's copies are enqueued (or null).
 std::string ce_peer_rows(cudaStream_t stream, const WindowSet& w, LocalRank& me,
-                         const cuda::EpArgs& a, uint32_t epoch, const std::vector<SegmentPut>& puts,
-                         cudaEvent_t after_first_chunk = nullptr);
+                         const cuda::EpArgs& a, uint32_t epoch,
+                         cudaEvent_t after_first_peer = nullptr);
 
 // The combine (engine ce), after the stamps of this rank's landed rows are in ret_out_meta: each
 // (local expert, source) run of GEMM2's rows (in.rows) and their stamps to the source's return

@@ -3,12 +3,16 @@
 //
 // Engine `ce`: everything that moves bytes between GPUs is a copy-engine operation
 // (copy_engine.cu): the plan by peer copies and stream-ordered flag writes, a bounded host wait
-// for every source's plan, then batched row copies to the peers, each chunk of experts followed
-// by the write of its signals at the destination. The rank's own segments (within its GPU) are
-// stored by a kernel that waits for the plan on the device, on XLA's stream before the fused
-// GEMM; so the GEMM is launched before the host's plan synchronisation, which then runs on the
-// side stream while the GEMM computes the own experts (measured on 2xH200, dsv3 4096 tokens: the
-// GEMM starts 0.19 ms after the dispatch instead of 2.16, stage1 8.3 ms instead of 10.1). Own
+// for every source's plan, then each peer's rows in one piece (two copies) into its staging,
+// followed by the write of its staging flag there; each rank's placement kernel (a few SMs beside
+// the fused GEMM, on its own stream) puts the staged rows at their offsets and raises their
+// segment signals, so the copies per call do not grow with the experts (before: 3 per expert and
+// peer, 768 at dsv3 R = 2, at ~0.65 us of device time each). The rank's own segments (within
+// its GPU) are stored by a kernel that waits for the plan on the device, on XLA's stream before
+// the fused GEMM; so the GEMM is launched before the host's plan synchronisation, which then runs
+// on the side stream while the GEMM computes the own experts (measured on 2xH200, dsv3 4096
+// tokens: the GEMM starts 0.19 ms after the dispatch instead of 2.16, stage1 8.3 ms instead of
+// 10.1). Own
 // rows as copies instead would have to be enqueued before the GEMM too, after the host's wait: a
 // copy within one GPU may run as a driver kernel, which a persistent GEMM holding every SM (and
 // waiting for these very rows) would never let start.
@@ -35,9 +39,13 @@ namespace {
 using cuda::EpWindowLayout;
 using cuda::at;
 
+// Engine ce: blocks of the placement kernel (SMs the fused GEMM leaves to it). Each moves its
+// segments within the GPU (a read and a write of every peer row); not yet measured on 2xH200.
+constexpr int kCePlaceBlocks = 8;
+
 // The previous call's timeline into the statistics, if its events have completed (not when calls
 // are enqueued faster than they run: that call is then not counted). first_chunk: engine ce,
-// whose calls mark their first chunk of peer copies.
+// whose calls mark their first peer's copies.
 void read_marks(LocalRank& l, bool first_chunk) {
   if (!l.marks_pending) return;
   l.marks_pending = false;
@@ -90,7 +98,6 @@ std::string dispatch(void* stream, const DispatchGeometry& g, const SendView& se
   a.token = send.token, a.slot = send.slot, a.weight = send.weight;
   const bool absent = opt.fault_absent_rank == me->rank;
   int busy_sms = 0;  // SMs the fused GEMM leaves to the dispatch
-  std::vector<SegmentPut> puts;  // engine ce: where this rank's segments land
   // the timeline of fused calls outside CUDA graphs (whose replays never come back here)
   const bool timed = !absent && gemm && capture == cudaStreamCaptureStatusNone;
   auto mark = [&](Mark m, cudaStream_t s) -> cudaError_t {
@@ -111,8 +118,7 @@ std::string dispatch(void* stream, const DispatchGeometry& g, const SendView& se
       // the outgoing headers, on XLA's stream before the fork: a kernel on the side stream could
       // find every SM taken by the fused GEMM, which waits for these very rows
       cuda::ep_headers_kernel<<<cuda::grid_for(w->g.send_rows, 256), 256, 0, st>>>(
-          a.token, a.slot, a.weight, w->g.send_rows, me->rank,
-          at<cuda::RowHeader>(me->own, w->L.send_headers));
+          a, w->g.send_rows);
       JSM_CUDA_TRY("dispatch ce headers", cudaGetLastError());
     }
     JSM_CUDA_TRY("dispatch fork", cudaEventRecord(me->fork, st));
@@ -132,7 +138,14 @@ std::string dispatch(void* stream, const DispatchGeometry& g, const SendView& se
       cuda::ep_sm_kernel<<<std::min<int64_t>(w->g.EL, cuda::num_sms()), 512, smem, st>>>(
           a, /*own_only=*/true);
       JSM_CUDA_TRY("dispatch ce own rows", cudaGetLastError());
-      busy_sms = 1;  // left to the driver (a peer copy's kernel, if it uses one), not the GEMM
+      // the peers' rows from the staging to their offsets, beside the fused GEMM
+      JSM_CUDA_TRY("dispatch ce place", cudaStreamWaitEvent(me->place, me->fork, 0));
+      const int place = std::min(kCePlaceBlocks, cuda::num_sms() - 2);
+      cuda::ep_place_kernel<<<place, 512, int(3 * w->g.EL + 1) * 4, me->place>>>(a);
+      JSM_CUDA_TRY("dispatch ce place", cudaGetLastError());
+      JSM_CUDA_TRY("dispatch ce place", cudaEventRecord(me->placed, me->place));
+      // the placement's SMs, and one left to the driver (a peer copy's kernel, if it uses one)
+      busy_sms = place + 1;
     }
   }
   const int64_t EL = w->g.EL;
@@ -154,9 +167,9 @@ std::string dispatch(void* stream, const DispatchGeometry& g, const SendView& se
     JSM_CUDA_TRY("dispatch mark", mark(kGemmEnd, st));
   }
   if (w->engine == EngineId::kCe && !absent) {  // on the side stream: XLA's holds the GEMM
-    err = ce_plan_wait(me->side, *w, *me, me->epoch, opt, started, puts);
+    err = ce_plan_wait(me->side, *w, *me, me->epoch, opt, started);
     if (err.empty())
-      err = ce_peer_rows(me->side, *w, *me, a, me->epoch, puts,
+      err = ce_peer_rows(me->side, *w, *me, a, me->epoch,
                          timed ? me->marks[kFirstChunk] : nullptr);
     if (!err.empty()) return err;
   }
@@ -169,6 +182,8 @@ std::string dispatch(void* stream, const DispatchGeometry& g, const SendView& se
     JSM_CUDA_TRY("dispatch mark", mark(kSideEnd, me->side));
     JSM_CUDA_TRY("dispatch join", cudaEventRecord(me->join, me->side));
     JSM_CUDA_TRY("dispatch join", cudaStreamWaitEvent(st, me->join, 0));
+    if (w->engine == EngineId::kCe)
+      JSM_CUDA_TRY("dispatch join", cudaStreamWaitEvent(st, me->placed, 0));
   }
   me->marks_pending = timed;
   return "";

@@ -1,8 +1,9 @@
 // Device side of the multi-GPU dispatch engines (protocol: kernels/cuda/ep/window.h), included by
 // engine.cu only (its launches are the only ones):
 //   ep_begin_kernel    the call's epoch (device-side: CUDA graph replays count too);
-//   ep_headers_kernel  the outgoing rows' 16-byte headers, so the `ce` engine copies a segment's
-//                      headers in one piece;
+//   ep_headers_kernel  engine `ce`: the outgoing rows' 16-byte headers and meta rows (header +
+//                      scales), so one copy per destination carries both;
+//   ep_place_kernel    engine `ce`: the peers' rows from this rank's staging to their offsets;
 //   ep_sm_kernel       engine `sm`: a few blocks put the plan and every segment to the peers with
 //                      stores over NVLink and raise the signals (no host involvement); engine
 //                      `ce`: only this rank's own segments (within the GPU);
@@ -27,11 +28,34 @@ __device__ __forceinline__ uint32_t call_epoch(const EpArgs& a) {
 // The first kernel of a call (not of an absent rank's): the call's epoch.
 __global__ void ep_begin_kernel(uint32_t* epoch_counter) { *epoch_counter += 1; }
 
-__global__ void ep_headers_kernel(const int32_t* token, const int32_t* slot, const float* weight,
-                                  int64_t n, int rank, RowHeader* out) {
+// One row's scale bytes (a meta row's start at 16 bytes, and a scales row, are 16-byte aligned
+// where HS is a multiple of 16, as at every shape of jsm.SHAPES).
+__device__ __forceinline__ void copy_scale_row(uint8_t* dst, const uint8_t* src, int64_t HS) {
+  if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | uintptr_t(HS)) &
+       15) == 0) {
+    for (int64_t c = 0; c < HS / 16; ++c)
+      reinterpret_cast<uint4*>(dst)[c] = reinterpret_cast<const uint4*>(src)[c];
+  } else {
+    for (int64_t c = 0; c < HS; ++c) dst[c] = src[c];
+  }
+}
+
+// Engine ce's outgoing rows: their headers (send_headers, read by its combine) and their meta
+// rows (send_meta: the header, then the row's scale bytes), so that one copy per destination
+// carries both.
+__global__ void ep_headers_kernel(const EpArgs a, int64_t n) {
+  const int64_t HS = a.g.H / kBlock, stride = ep_meta_stride(a.g.H);
+  uint8_t* own = a.peers.base[a.rank];
+  RowHeader* headers = at<RowHeader>(own, a.L.send_headers);
+  uint8_t* meta = at<uint8_t>(own, a.L.send_meta);
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x)
-    out[i] = RowHeader{rank, token[i], slot[i], weight[i]};
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const RowHeader h{a.rank, a.token[i], a.slot[i], a.weight[i]};
+    headers[i] = h;
+    uint8_t* m = meta + i * stride;
+    *reinterpret_cast<RowHeader*>(m) = h;
+    copy_scale_row(m + sizeof(RowHeader), a.scales + i * HS, HS);
+  }
 }
 
 // Block-cooperative copy of n bytes at the widest width both ends' alignment allows. The 16-byte
@@ -152,6 +176,67 @@ __global__ void __launch_bounds__(512) ep_sm_kernel(const EpArgs a, bool own_onl
     __syncthreads();
     if (threadIdx.x == 0)
       st_release_sys(at<uint32_t>(dst, a.L.seg_flag[p]) + int64_t(e) * R + a.rank, epoch);
+  }
+}
+
+// Engine ce's placement (on the rank's `place` stream, on SMs the fused GEMM leaves free): the
+// peers' rows, each put in one piece into this rank's staging (ep_window.h, step 3), to their §4
+// offsets in slot p. Items (expert e, peer s) in expert order, blockIdx.x, + gridDim.x, ...: a
+// block waits (bounded, naming the peer) for s's staging flag, copies the segment's values,
+// scales and headers (a source's rows to this rank sit in its send order: expert, then token),
+// then raises seg_flag[p][e][s] itself, so the fused GEMM starts each expert as its rows are
+// placed. Rows past an expert's room (overflow) are not placed: the other engines drop them too.
+__global__ void __launch_bounds__(512) ep_place_kernel(const EpArgs a) {
+  extern __shared__ int32_t smem[];  // totals[EL], offsets[EL], counts[EL] + dropped
+  const int R = int(a.g.R), EL = int(a.g.EL), me = a.rank;
+  const int64_t H = a.g.H, HS = H / kBlock, stride = ep_meta_stride(H);
+  const uint32_t epoch = call_epoch(a);
+  const int p = int(epoch & 1);
+  uint8_t* own = a.peers.base[me];
+  if (!wait_plan(a, epoch)) return;
+  const int32_t* plan = at<const int32_t>(own, a.L.plan[p]);  // [s][d * EL + e]
+  auto count = [&](int s, int e) { return __ldcg(plan + int64_t(s) * R * EL + me * EL + e); };
+  int32_t* totals = smem;
+  int32_t* offsets = smem + EL;
+  int32_t* counts = smem + 2 * EL;
+  for (int e = threadIdx.x; e < EL; e += blockDim.x) {
+    int32_t sum = 0;
+    for (int s = 0; s < R; ++s) sum += count(s, e);
+    totals[e] = sum;
+  }
+  __syncthreads();
+  landing_layout_smem(totals, EL, a.row_align, a.g.m_cap, offsets, counts, counts + EL);
+  const uint32_t* flags = at<const uint32_t>(own, a.L.stage_flag[p]);
+  __shared__ int64_t segment[3];  // base (landing row), from (row in s's staged run), keep
+  for (int q = blockIdx.x; q < EL * (R - 1); q += gridDim.x) {
+    const int e = q / (R - 1), s = (me + 1 + q % (R - 1)) % R;
+    if (threadIdx.x == 0) {
+      int64_t base = offsets[e], from = 0;
+      for (int t = 0; t < s; ++t) base += count(t, e);
+      for (int f = 0; f < e; ++f) from += count(s, f);
+      const int64_t room = int64_t(offsets[e]) + counts[e] - base, n = count(s, e);
+      segment[0] = base, segment[1] = from, segment[2] = n < room ? n : (room > 0 ? room : 0);
+    }
+    // (its barriers publish segment[])
+    if (!wait_flags_block<1, true>(
+            flags + s, 1, epoch, a.timeout_ns, a.err, 2,
+            [s, e](int) { return WaitWho{uint32_t(s), uint32_t(e)}; }, [] { poll_pause(); }))
+      return;
+    const int64_t base = segment[0], from = segment[1], keep = segment[2];
+    const int64_t region = ep_stage_index(s, me) * a.g.send_rows;
+    const uint8_t* src = at<const uint8_t>(own, a.L.stage_values[p]) + (region + from) * H;
+    block_copy(at<uint8_t>(own, a.L.values[p]) + base * H, src, keep * H);
+    const uint8_t* meta = at<const uint8_t>(own, a.L.stage_meta[p]) + (region + from) * stride;
+    uint8_t* scales = at<uint8_t>(own, a.L.scales[p]) + base * HS;
+    RowHeader* hdr = at<RowHeader>(own, a.L.headers[p]) + base;
+    for (int64_t r = threadIdx.x; r < keep; r += blockDim.x) {
+      hdr[r] = *reinterpret_cast<const RowHeader*>(meta + r * stride);
+      copy_scale_row(scales + r * HS, meta + r * stride + sizeof(RowHeader), HS);
+    }
+    __threadfence();
+    __syncthreads();  // also: segment[] is read before the next item's thread 0 writes it
+    if (threadIdx.x == 0)
+      st_release_sys(at<uint32_t>(own, a.L.seg_flag[p]) + int64_t(e) * R + s, epoch);
   }
 }
 

@@ -51,6 +51,11 @@ struct LocalRank {
   int32_t* h_plan = nullptr;    // pinned
   cudaStream_t side = nullptr;  // row copies (ce) or the sm kernel, beside XLA's stream
   cudaEvent_t fork = nullptr, join = nullptr;
+  // engine ce: the placement kernel's stream (it waits for the peers' rows on the device, so it
+  // may not sit behind the host's steps on `side`: those wait for this rank's own plan only, but
+  // a placement queued before them would hold this rank's copies until the peers' rows came)
+  cudaStream_t place = nullptr;
+  cudaEvent_t placed = nullptr;
   cudaEvent_t marks[kMarks] = {};
   bool marks_pending = false;  // the last call's marks, not yet read
 };

@@ -43,6 +43,8 @@ void free_rank(LocalRank& l) {
   if (l.h_flags) cudaFreeHost(l.h_flags);
   if (l.h_plan) cudaFreeHost(l.h_plan);
   if (l.side) cudaStreamDestroy(l.side);
+  if (l.place) cudaStreamDestroy(l.place);
+  if (l.placed) cudaEventDestroy(l.placed);
   if (l.fork) cudaEventDestroy(l.fork);
   for (cudaEvent_t ev : l.marks)
     if (ev) cudaEventDestroy(ev);
@@ -81,7 +83,8 @@ int64_t windows_create(EngineId engine, int sm_blocks, const DispatchGeometry& g
   }
   auto w = std::make_shared<WindowSet>();
   w->engine = engine, w->sm_blocks = sm_blocks, w->g = g;
-  w->L = cuda::ep_window_layout(g, /*with_return=*/true);  // the combine's
+  // the combine's return regions; engine ce's staging
+  w->L = cuda::ep_window_layout(g, /*with_return=*/true, /*with_staging=*/engine == EngineId::kCe);
   for (size_t i = 0; i < ranks.size(); ++i) {
     LocalRank l;
     l.rank = int(ranks[i]), l.device = int(devices[i]);
@@ -95,6 +98,8 @@ int64_t windows_create(EngineId engine, int sm_blocks, const DispatchGeometry& g
     if (e == cudaSuccess) e = cudaMallocHost(&l.h_flags, size_t(R) * 4);
     if (e == cudaSuccess) e = cudaMallocHost(&l.h_plan, size_t(R * R * g.EL) * 4);
     if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&l.side, cudaStreamNonBlocking);
+    if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&l.place, cudaStreamNonBlocking);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&l.placed, cudaEventDisableTiming);
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&l.fork, cudaEventDisableTiming);
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&l.join, cudaEventDisableTiming);
     for (cudaEvent_t& ev : l.marks)
