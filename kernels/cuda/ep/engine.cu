@@ -12,10 +12,9 @@
 // the fused GEMM; so the GEMM is launched before the host's plan synchronisation, which then runs
 // on the side stream while the GEMM computes the own experts (measured on 2xH200, dsv3 4096
 // tokens: the GEMM starts 0.19 ms after the dispatch instead of 2.16, stage1 8.3 ms instead of
-// 10.1). Own
-// rows as copies instead would have to be enqueued before the GEMM too, after the host's wait: a
-// copy within one GPU may run as a driver kernel, which a persistent GEMM holding every SM (and
-// waiting for these very rows) would never let start.
+// 10.1). Own rows as copies instead would have to be enqueued before the GEMM too, after the
+// host's wait: a copy within one GPU may run as a driver kernel, which a persistent GEMM holding
+// every SM (and waiting for these very rows) would never let start.
 // Engine `sm`: one kernel puts the plan, waits for the peers' plans and stores the rows itself
 // (kernels.cuh); no host synchronisation.
 // Both then run ep_rows_kernel, which waits (bounded) for every signal of this rank's slot.

@@ -34,7 +34,7 @@ __device__ __forceinline__ void copy_scale_row(uint8_t* dst, const uint8_t* src,
   if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | uintptr_t(HS)) &
        15) == 0) {
     for (int64_t c = 0; c < HS / 16; ++c)
-      reinterpret_cast<uint4*>(dst)[c] = reinterpret_cast<const uint4*>(src)[c];
+      reinterpret_cast<uint4*>(dst)[c] = __ldcg(reinterpret_cast<const uint4*>(src) + c);
   } else {
     for (int64_t c = 0; c < HS; ++c) dst[c] = src[c];
   }
@@ -230,7 +230,8 @@ __global__ void __launch_bounds__(512) ep_place_kernel(const EpArgs a) {
     uint8_t* scales = at<uint8_t>(own, a.L.scales[p]) + base * HS;
     RowHeader* hdr = at<RowHeader>(own, a.L.headers[p]) + base;
     for (int64_t r = threadIdx.x; r < keep; r += blockDim.x) {
-      hdr[r] = *reinterpret_cast<const RowHeader*>(meta + r * stride);
+      const int4 v = __ldcg(reinterpret_cast<const int4*>(meta + r * stride));
+      hdr[r] = RowHeader{v.x, v.y, v.z, __int_as_float(v.w)};
       copy_scale_row(scales + r * HS, meta + r * stride + sizeof(RowHeader), HS);
     }
     __threadfence();
