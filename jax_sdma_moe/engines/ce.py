@@ -2,9 +2,9 @@
 piece (two copies: values, and meta rows of header + scales) into the peer's staging, followed in
 stream order by its flag, whatever the experts; a placement kernel on a few SMs puts the staged
 rows at their offsets beside the fused GEMM — while a kernel stores the rank's own rows; one host
-synchronisation per call for the plan. Its combine
-copies each (expert, source) run of GEMM2 rows back whole, with no host wait (the plan is on the
-host since the dispatch)."""
+synchronisation per call for the plan. Its combine gathers each peer's GEMM2 rows into that
+peer's send order and copies them back in one piece (two copies per peer), with no host wait (the
+plan is on the host since the dispatch)."""
 from __future__ import annotations
 
 from .base import FfiDispatchEngine
@@ -15,8 +15,8 @@ class CeEngine(CudaWindowEngine):
   name = "ce"
   # the host waits for the plan and enqueues the copies in every call: no CUDA graph
   graph_capturable = False
-  # each (expert, source) run of rows back to the source's send positions by the copy engines,
-  # from the plan of the rank's latest dispatch (kernels/cuda/ep/combine.cu)
+  # each peer's rows, gathered into its send order, back to its send positions by the copy
+  # engines, from the plan of the rank's latest dispatch (kernels/cuda/ep/combine.cu)
   combine = FfiDispatchEngine.combine
 
   _HOST_KEYS = ("calls", "plan_us", "plan_stream_us", "enqueue_us", "copies", "single_copies")

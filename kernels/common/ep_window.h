@@ -28,9 +28,11 @@
 //   1. every rank puts each landed row's GEMM2 output into its source's ret_rows[q], with
 //      ret_meta[q] {m, the row's top-k weight}, then (once all its rows are there: a system fence,
 //      or stream order) writes ret_flag[q][r] = m at every rank (its own included). Engine sm
-//      stores each row at its (token * K + slot); engine ce copies each (expert, source) run of
-//      rows whole to the source's send positions of those rows (contiguous on both sides; the
-//      host knows them from the dispatch's plan), their stamps staged in ret_out_meta first;
+//      stores each row at its (token * K + slot); engine ce gathers each source's rows, with their
+//      stamps, into that source's send order (its own straight into its return slot, the peers'
+//      into ret_stage_rows/ret_stage_meta, dropped rows' positions stamped with another epoch),
+//      then copies each peer's run whole to the peer's send positions for this rank (contiguous;
+//      the host knows them from the dispatch's plan): two copies per peer;
 //   2. every rank waits until ret_flag[q][d] has reached m for all d (bounded), then sums, per
 //      token, the slots whose ret_meta stamp is m (slots with no row keep an older stamp); engine
 //      ce finds a send position's (token, slot) in its own send_headers (its latest dispatch's).
@@ -71,15 +73,17 @@ struct EpWindowLayout {
                                              // captured CUDA graph replays correctly)
   // the return regions (0 where the window has none): slot q [send_rows, H] bf16 rows, indexed
   // token * K + slot (sm) or by send position (ce), and their [send_rows] ReturnMeta; ret_flag[q]
-  // [R] uint32; the combine's own call count (uint32); ret_out_meta [m_cap] ReturnMeta, the
-  // stamps of this rank's outgoing rows (ce)
-  int64_t ret_rows[2], ret_meta[2], ret_flag[2], ret_epoch_counter, ret_out_meta;
+  // [R] uint32; the combine's own call count (uint32)
+  int64_t ret_rows[2], ret_meta[2], ret_flag[2], ret_epoch_counter;
   // engine ce's staging (0 where the window has none): send_meta [send_rows] rows of
   // ep_meta_stride(H) bytes, each outgoing row's header then its scale bytes (so one copy per
   // destination carries both); slot p: stage_values [R - 1 sources][send_rows, H] and stage_meta
   // [R - 1][send_rows] meta rows, each source's rows to this rank in its send order (expert, then
-  // token; ep_stage_index), and stage_flag [R src] uint32
+  // token; ep_stage_index), and stage_flag [R src] uint32; with the return regions also the
+  // combine's staging: ret_stage_rows [R - 1 peers][send_rows, H] bf16 and ret_stage_meta
+  // [R - 1][send_rows] ReturnMeta, each peer's rows back in that peer's send order, one run each
   int64_t send_meta, stage_values[2], stage_meta[2], stage_flag[2];
+  int64_t ret_stage_rows, ret_stage_meta;
   int64_t bytes;
 };
 
@@ -94,8 +98,9 @@ JSM_HD int64_t ep_stage_index(int64_t s, int64_t d) { return s < d ? s : s - 1; 
 
 JSM_HD int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
-// with_return: also the return regions of the combine (2 * send_rows * (2 H + 8) + 8 m_cap bytes
-// more); with_staging: engine ce's staging (about 2 (R - 1) + 1 times the send buffer's bytes).
+// with_return: also the return regions of the combine (2 * send_rows * (2 H + 8) bytes more);
+// with_staging: engine ce's staging (about 2 (R - 1) + 1 times the send buffer's bytes, and
+// (R - 1) times a return slot's with the return regions).
 JSM_HD EpWindowLayout ep_window_layout(const DispatchGeometry& g, bool with_return = false,
                                        bool with_staging = false) {
   EpWindowLayout w{};
@@ -122,7 +127,6 @@ JSM_HD EpWindowLayout ep_window_layout(const DispatchGeometry& g, bool with_retu
       w.ret_flag[q] = take(g.R * 4);
     }
     w.ret_epoch_counter = take(4);
-    w.ret_out_meta = take(g.m_cap * int64_t(sizeof(ReturnMeta)));
   }
   if (with_staging) {
     const int64_t meta = ep_meta_stride(g.H);
@@ -131,6 +135,10 @@ JSM_HD EpWindowLayout ep_window_layout(const DispatchGeometry& g, bool with_retu
       w.stage_values[p] = take((g.R - 1) * g.send_rows * g.H);
       w.stage_meta[p] = take((g.R - 1) * g.send_rows * meta);
       w.stage_flag[p] = take(g.R * 4);
+    }
+    if (with_return) {
+      w.ret_stage_rows = take((g.R - 1) * g.send_rows * g.H * 2);
+      w.ret_stage_meta = take((g.R - 1) * g.send_rows * int64_t(sizeof(ReturnMeta)));
     }
   }
   w.bytes = off;

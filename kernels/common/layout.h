@@ -1,7 +1,6 @@
 // The §4 landing layout (DESIGN.md): where each local expert's rows land on a rank, and where each
 // source's segment of them goes. One definition for every backend: landing_layout is compiled for
-// the host and (under nvcc) the device; segment_puts is host code (the cpu engine and the CUDA ce
-// engine's host step).
+// the host and (under nvcc) the device; segment_puts is host code (the cpu engine's).
 #pragma once
 
 #include <stdint.h>

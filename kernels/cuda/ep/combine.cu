@@ -8,9 +8,11 @@
 //                          epoch into ret_flag[q][rank] of every rank;
 //   ep_return_sum_kernel   waits (bounded) for every rank's flag, then sums.
 // Engine ce (the host enqueues, with no wait: the plan is on the host since the dispatch):
-//   ep_return_stamp_kernel the landed rows' ReturnMeta into ret_out_meta;
-//   ce_return_rows         (copy_engine.cu) each (expert, source) run of rows and stamps to the
-//                          source's send positions by the copy engines, then the flags;
+//   ep_return_gather_kernel each source's rows and their stamps in that source's send order:
+//                          its own into this rank's return slot, the peers' into the staging;
+//   ce_return_rows         (copy_engine.cu) each peer's run of rows and stamps whole to the
+//                          peer's send positions by the copy engines (two copies), then the
+//                          flags;
 //   ep_return_index_kernel waits (bounded) for every rank's flag, then the send position of each
 //                          (token, slot) returned this epoch, from the rank's send headers;
 //   ep_return_sum_kernel   sums through that index.
@@ -20,8 +22,10 @@
 
 #include <algorithm>
 
+#include "kernels/cuda/ep/copy.cuh"
 #include "kernels/cuda/ep/copy_engine.h"
 #include "kernels/cuda/ep/engine.h"
+#include "kernels/cuda/ep/received.cuh"
 #include "kernels/cuda/ep/state.h"
 #include "kernels/common/ep_return.cuh"
 #include "kernels/cuda/launch_util.h"
@@ -35,13 +39,54 @@ using gpu::ReturnArgs;
 using gpu::return_epoch;
 using gpu::wait_returns;
 
-// Engine ce: stamps of the landed rows (padding rows too: they are never copied).
-__global__ void ep_return_stamp_kernel(const ReturnArgs a) {
+// Engine ce: GEMM2's rows of this rank's latest dispatch (in.rows, §4 order), each (expert e,
+// source s) segment to its place in s's send order for this rank (ReceivedSegments, from the
+// dispatch's plan in the window) with its stamps: s = this rank straight into its own return slot
+// q at its send positions, a peer into the return staging (ep_stage_index), whose run the host
+// then copies whole. The positions of rows the dispatch dropped (overflow) get a stamp of another
+// epoch, so that a copied run carries no stale stamp of this one. Blocks take the segments.
+__global__ void __launch_bounds__(512)
+    ep_return_gather_kernel(const ReturnArgs a, int EL, int64_t row_align, int64_t send_rows) {
+  extern __shared__ int32_t smem[];  // ReceivedSegments: 3 * EL + 1
   const uint32_t epoch = return_epoch(a);
-  ReturnMeta* out = at<ReturnMeta>(a.peers.base[a.rank], a.L.ret_out_meta);
-  for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < a.in.m_cap;
-       r += int64_t(gridDim.x) * blockDim.x)
-    out[r] = ReturnMeta{epoch, a.in.weight[r]};
+  const int q = int(epoch & 1), R = a.R, me = a.rank;
+  uint8_t* own = a.peers.base[me];
+  const int64_t H = a.in.H;
+  // the plan of the latest dispatch through this window set (its parity slot)
+  const uint32_t dispatch = *at<const volatile uint32_t>(own, a.L.epoch_counter);
+  ReceivedSegments segs{at<const int32_t>(own, a.L.plan[dispatch & 1]), R, EL, me};
+  segs.build(smem, row_align, a.in.m_cap);
+  // this rank's own send run starts past its rows to the ranks before it
+  __shared__ int64_t own_start;
+  if (threadIdx.x == 0) {
+    int64_t n = 0;
+    for (int d = 0; d < me; ++d)
+      for (int e = 0; e < EL; ++e) n += __ldcg(segs.plan + int64_t(me) * R * EL + d * EL + e);
+    own_start = n;
+  }
+  __syncthreads();
+  __shared__ ReceivedSegment seg;
+  for (int i = blockIdx.x; i < EL * R; i += gridDim.x) {
+    const int e = i / R, s = i % R;
+    if (threadIdx.x == 0) seg = segs.of(e, s);
+    __syncthreads();
+    uint16_t* rows;
+    ReturnMeta* stamps;
+    if (s == me) {
+      rows = at<uint16_t>(own, a.L.ret_rows[q]) + (own_start + seg.from) * H;
+      stamps = at<ReturnMeta>(own, a.L.ret_meta[q]) + own_start + seg.from;
+    } else {
+      const int64_t at_row = ep_stage_index(s, me) * send_rows + seg.from;
+      rows = at<uint16_t>(own, a.L.ret_stage_rows) + at_row * H;
+      stamps = at<ReturnMeta>(own, a.L.ret_stage_meta) + at_row;
+    }
+    block_copy(reinterpret_cast<uint8_t*>(rows),
+               reinterpret_cast<const uint8_t*>(a.in.rows + seg.base * H), seg.keep * H * 2);
+    for (int64_t r = threadIdx.x; r < seg.n; r += blockDim.x)
+      stamps[r] = r < seg.keep ? ReturnMeta{epoch, a.in.weight[seg.base + r]}
+                               : ReturnMeta{epoch - 1, 0.0f};
+    __syncthreads();  // seg is read before the next segment's thread 0 writes it
+  }
 }
 
 // Engine ce: row_of[t * K + k] = the send position i of (t, k) where i was returned this epoch
@@ -101,9 +146,12 @@ std::string combine(void* stream, const CombineView& in, int32_t* row_of,
       cuda::grid_for(std::max<int64_t>(in.m_cap, 1), gpu::kReturnThreads / cuda::kWarp),
       2 * cuda::num_sms()));
   if (ce) {
-    cuda::ep_return_stamp_kernel<<<rows_grid, gpu::kReturnThreads, 0, st>>>(a);
-    JSM_CUDA_TRY("combine stamps", cudaGetLastError());
-    err = ce_return_rows(st, *w, *me, in, epoch, opt);
+    const int EL = int(w->g.EL);
+    cuda::ep_return_gather_kernel<<<int(std::min<int64_t>(EL * w->g.R, 2 * cuda::num_sms())), 512,
+                                    int(3 * EL + 1) * 4, st>>>(a, EL, opt.row_align,
+                                                               w->g.send_rows);
+    JSM_CUDA_TRY("combine gather", cudaGetLastError());
+    err = ce_return_rows(st, *w, *me, epoch);
     if (!err.empty()) return err;
     if (in.T * in.K > 0) {
       JSM_CUDA_TRY("combine index",

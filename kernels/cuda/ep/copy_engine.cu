@@ -199,26 +199,31 @@ std::string ce_peer_rows(cudaStream_t stream, const WindowSet& w, LocalRank& me,
   return "";
 }
 
-std::string ce_return_rows(cudaStream_t st, const WindowSet& w, LocalRank& me,
-                           const CombineView& in, uint32_t epoch, const DispatchOptions& opt) {
+// The combine (engine ce), after ep_return_gather_kernel: each peer's run of rows and stamps
+// whole, from the return staging to the peer's send positions for this rank (its rows to the
+// ranks before this one come first in its send order; the plan of this rank's latest dispatch,
+// me.h_plan, gives both), then this rank's flag there; this rank's own rows are in place already
+// (stream order: its flag after the gather).
+std::string ce_return_rows(cudaStream_t st, const WindowSet& w, LocalRank& me, uint32_t epoch) {
   const int64_t R = w.g.R, EL = w.g.EL, H = w.g.H;
   const int q = int(epoch & 1), rank = me.rank;
   const EpWindowLayout& L = w.L;
-  const ReturnMeta* stamps = at<ReturnMeta>(me.own, L.ret_out_meta);
   RankStats not_counted;  // the rank's statistics count the dispatch's copies only
   CopyBatch batch;
-  for (int64_t j = 1; j <= R; ++j) {  // peers first, this rank's own runs last
+  for (int64_t j = 1; j <= R; ++j) {  // peers first, this rank's own flag last
     const int64_t s = (rank + j) % R;
     uint8_t* dst = me.peers.base[s];
-    // where source s's segments landed here: base (landed row), keep, from (its send position)
-    const std::vector<SegmentPut> puts = segment_puts(me.h_plan, R, EL, s, opt.row_align,
-                                                      w.g.m_cap);
-    for (int64_t e = 0; e < EL; ++e) {
-      const SegmentPut& p = puts[size_t(rank * EL + e)];
-      batch.add(at<uint16_t>(dst, L.ret_rows[q]) + p.from * H, in.rows + p.base * H,
-                size_t(p.keep * H) * 2);
-      batch.add(at<ReturnMeta>(dst, L.ret_meta[q]) + p.from, stamps + p.base,
-                size_t(p.keep) * sizeof(ReturnMeta));
+    if (s != rank) {
+      const int32_t* counts = me.h_plan + s * R * EL;  // s's [R dst][EL]
+      int64_t start = 0, n = 0;
+      for (int64_t d = 0; d < rank; ++d)
+        for (int64_t e = 0; e < EL; ++e) start += counts[d * EL + e];
+      for (int64_t e = 0; e < EL; ++e) n += counts[rank * EL + e];
+      const int64_t from = cuda::ep_stage_index(s, rank) * w.g.send_rows;
+      batch.add(at<uint16_t>(dst, L.ret_rows[q]) + start * H,
+                at<uint16_t>(me.own, L.ret_stage_rows) + from * H, size_t(n * H) * 2);
+      batch.add(at<ReturnMeta>(dst, L.ret_meta[q]) + start,
+                at<ReturnMeta>(me.own, L.ret_stage_meta) + from, size_t(n) * sizeof(ReturnMeta));
     }
     std::string err = put(batch, st, not_counted);
     if (err.empty()) err = write_flags(st, {at<uint32_t>(dst, L.ret_flag[q]) + rank}, epoch);

@@ -8,7 +8,6 @@
 #include <string>
 #include <vector>
 
-#include "kernels/common/layout.h"  // SegmentPut
 #include "kernels/common/options.h"
 #include "kernels/cuda/ep/args.h"
 #include "kernels/cuda/ep/state.h"
@@ -33,12 +32,10 @@ std::string ce_peer_rows(cudaStream_t stream, const WindowSet& w, LocalRank& me,
                          const cuda::EpArgs& a, uint32_t epoch,
                          cudaEvent_t after_first_peer = nullptr);
 
-// The combine (engine ce), after the stamps of this rank's landed rows are in ret_out_meta: each
-// (local expert, source) run of GEMM2's rows (in.rows) and their stamps to the source's return
-// slot `q` at the run's send positions, from the plan of this rank's latest dispatch (me.h_plan),
-// each source's runs followed by the write of this rank's ret_flag there.
-std::string ce_return_rows(cudaStream_t st, const WindowSet& w, LocalRank& me,
-                           const CombineView& in, uint32_t epoch, const DispatchOptions& opt);
+// The combine (engine ce), after ep_return_gather_kernel: each peer's run of GEMM2's rows and
+// their stamps whole, from the return staging to the peer's send positions for this rank (from
+// the plan of this rank's latest dispatch, me.h_plan), then this rank's ret_flag at every rank.
+std::string ce_return_rows(cudaStream_t st, const WindowSet& w, LocalRank& me, uint32_t epoch);
 
 }  // namespace ep
 }  // namespace jsm

@@ -16,6 +16,8 @@
 #include <stdint.h>
 
 #include "kernels/cuda/ep/args.h"
+#include "kernels/cuda/ep/copy.cuh"
+#include "kernels/cuda/ep/received.cuh"
 #include "kernels/cuda/layout.cuh"
 
 namespace jsm {
@@ -27,18 +29,6 @@ __device__ __forceinline__ uint32_t call_epoch(const EpArgs& a) {
 
 // The first kernel of a call (not of an absent rank's): the call's epoch.
 __global__ void ep_begin_kernel(uint32_t* epoch_counter) { *epoch_counter += 1; }
-
-// One row's scale bytes (a meta row's start at 16 bytes, and a scales row, are 16-byte aligned
-// where HS is a multiple of 16, as at every shape of jsm.SHAPES).
-__device__ __forceinline__ void copy_scale_row(uint8_t* dst, const uint8_t* src, int64_t HS) {
-  if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | uintptr_t(HS)) &
-       15) == 0) {
-    for (int64_t c = 0; c < HS / 16; ++c)
-      reinterpret_cast<uint4*>(dst)[c] = __ldcg(reinterpret_cast<const uint4*>(src) + c);
-  } else {
-    for (int64_t c = 0; c < HS; ++c) dst[c] = src[c];
-  }
-}
 
 // Engine ce's outgoing rows: their headers (send_headers, read by its combine) and their meta
 // rows (send_meta: the header, then the row's scale bytes), so that one copy per destination
@@ -55,36 +45,6 @@ __global__ void ep_headers_kernel(const EpArgs a, int64_t n) {
     uint8_t* m = meta + i * stride;
     *reinterpret_cast<RowHeader*>(m) = h;
     copy_scale_row(m + sizeof(RowHeader), a.scales + i * HS, HS);
-  }
-}
-
-// Block-cooperative copy of n bytes at the widest width both ends' alignment allows. The 16-byte
-// path keeps U loads in flight per thread before their stores (a load after a store to memory
-// that may alias would otherwise wait for it: one load in flight per thread).
-constexpr int kCopyUnroll = 4;
-template <int U = kCopyUnroll>
-__device__ __forceinline__ void block_copy(uint8_t* __restrict__ dst,
-                                           const uint8_t* __restrict__ src, int64_t n) {
-  const uintptr_t mis = (reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
-                         uintptr_t(n));
-  if ((mis & 15) == 0) {
-    uint4* __restrict__ d = reinterpret_cast<uint4*>(dst);
-    const uint4* __restrict__ s = reinterpret_cast<const uint4*>(src);
-    const int64_t n16 = n / 16, step = int64_t(blockDim.x) * U;
-    int64_t i = threadIdx.x;
-    for (; i + (U - 1) * int64_t(blockDim.x) < n16; i += step) {
-      uint4 v[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) v[u] = __ldcg(s + i + u * int64_t(blockDim.x));
-#pragma unroll
-      for (int u = 0; u < U; ++u) d[i + u * int64_t(blockDim.x)] = v[u];
-    }
-    for (; i < n16; i += blockDim.x) d[i] = __ldcg(s + i);
-  } else if ((mis & 3) == 0) {
-    for (int64_t i = threadIdx.x; i < n / 4; i += blockDim.x)
-      reinterpret_cast<uint32_t*>(dst)[i] = __ldcg(reinterpret_cast<const unsigned int*>(src) + i);
-  } else {
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
   }
 }
 
@@ -187,42 +147,26 @@ __global__ void __launch_bounds__(512) ep_sm_kernel(const EpArgs a, bool own_onl
 // then raises seg_flag[p][e][s] itself, so the fused GEMM starts each expert as its rows are
 // placed. Rows past an expert's room (overflow) are not placed: the other engines drop them too.
 __global__ void __launch_bounds__(512) ep_place_kernel(const EpArgs a) {
-  extern __shared__ int32_t smem[];  // totals[EL], offsets[EL], counts[EL] + dropped
-  const int R = int(a.g.R), EL = int(a.g.EL), me = a.rank;
+  extern __shared__ int32_t smem[];  // ReceivedSegments: 3 * EL + 1
+  const int R = int(a.g.R), me = a.rank;
   const int64_t H = a.g.H, HS = H / kBlock, stride = ep_meta_stride(H);
   const uint32_t epoch = call_epoch(a);
   const int p = int(epoch & 1);
   uint8_t* own = a.peers.base[me];
   if (!wait_plan(a, epoch)) return;
-  const int32_t* plan = at<const int32_t>(own, a.L.plan[p]);  // [s][d * EL + e]
-  auto count = [&](int s, int e) { return __ldcg(plan + int64_t(s) * R * EL + me * EL + e); };
-  int32_t* totals = smem;
-  int32_t* offsets = smem + EL;
-  int32_t* counts = smem + 2 * EL;
-  for (int e = threadIdx.x; e < EL; e += blockDim.x) {
-    int32_t sum = 0;
-    for (int s = 0; s < R; ++s) sum += count(s, e);
-    totals[e] = sum;
-  }
-  __syncthreads();
-  landing_layout_smem(totals, EL, a.row_align, a.g.m_cap, offsets, counts, counts + EL);
+  ReceivedSegments segs{at<const int32_t>(own, a.L.plan[p]), R, int(a.g.EL), me};
+  segs.build(smem, a.row_align, a.g.m_cap);
   const uint32_t* flags = at<const uint32_t>(own, a.L.stage_flag[p]);
-  __shared__ int64_t segment[3];  // base (landing row), from (row in s's staged run), keep
-  for (int q = blockIdx.x; q < EL * (R - 1); q += gridDim.x) {
+  __shared__ ReceivedSegment seg;
+  for (int q = blockIdx.x; q < segs.EL * (R - 1); q += gridDim.x) {
     const int e = q / (R - 1), s = (me + 1 + q % (R - 1)) % R;
-    if (threadIdx.x == 0) {
-      int64_t base = offsets[e], from = 0;
-      for (int t = 0; t < s; ++t) base += count(t, e);
-      for (int f = 0; f < e; ++f) from += count(s, f);
-      const int64_t room = int64_t(offsets[e]) + counts[e] - base, n = count(s, e);
-      segment[0] = base, segment[1] = from, segment[2] = n < room ? n : (room > 0 ? room : 0);
-    }
-    // (its barriers publish segment[])
+    if (threadIdx.x == 0) seg = segs.of(e, s);
+    // (its barriers publish seg)
     if (!wait_flags_block<1, true>(
             flags + s, 1, epoch, a.timeout_ns, a.err, 2,
             [s, e](int) { return WaitWho{uint32_t(s), uint32_t(e)}; }, [] { poll_pause(); }))
       return;
-    const int64_t base = segment[0], from = segment[1], keep = segment[2];
+    const int64_t base = seg.base, from = seg.from, keep = seg.keep;
     const int64_t region = ep_stage_index(s, me) * a.g.send_rows;
     const uint8_t* src = at<const uint8_t>(own, a.L.stage_values[p]) + (region + from) * H;
     block_copy(at<uint8_t>(own, a.L.values[p]) + base * H, src, keep * H);
@@ -235,7 +179,7 @@ __global__ void __launch_bounds__(512) ep_place_kernel(const EpArgs a) {
       copy_scale_row(scales + r * HS, meta + r * stride + sizeof(RowHeader), HS);
     }
     __threadfence();
-    __syncthreads();  // also: segment[] is read before the next item's thread 0 writes it
+    __syncthreads();  // also: seg is read before the next item's thread 0 writes it
     if (threadIdx.x == 0)
       st_release_sys(at<uint32_t>(own, a.L.seg_flag[p]) + int64_t(e) * R + s, epoch);
   }
