@@ -38,9 +38,11 @@ namespace {
 using cuda::EpWindowLayout;
 using cuda::at;
 
-// Engine ce: blocks of the placement kernel (SMs the fused GEMM leaves to it). Each moves its
-// segments within the GPU (a read and a write of every peer row); not yet measured on 2xH200.
-constexpr int kCePlaceBlocks = 8;
+// Engine ce: blocks of the placement kernel, SMs the fused GEMM leaves to it for its whole run
+// (its grid is fixed at launch): 4 of 132 cost the GEMM ~3%, inside issue 14's 0.95 of its rate
+// alone. Each block moves its segments within the GPU (a read and a write of every peer row).
+// Not yet measured on 2xH200; once it is, a Stage1Config option like sm_dispatch_blocks.
+constexpr int kCePlaceBlocks = 4;
 
 // The previous call's timeline into the statistics, if its events have completed (not when calls
 // are enqueued faster than they run: that call is then not counted). first_chunk: engine ce,
