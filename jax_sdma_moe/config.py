@@ -47,6 +47,8 @@ class Stage1Config:
   timeout_s: bound on every wait for a peer; on expiry the call fails naming rank and peer.
   fault_*: fault injection for tests: a rank that never takes part, or one that starts late.
   sm_dispatch_blocks: thread blocks (one per SM) the "sm" engine spends on storing rows to peers.
+  ce_place_blocks: thread blocks (one per SM) the "ce" engine spends on placing the peers' rows
+    from its staging at their landing offsets; the fused GEMM runs on the other SMs.
   gemm_tile_tokens: the CUDA bf16 GEMMs' tile width, one of layout.GEMM_TILE_TOKENS (128, 32);
     None picks 32 where experts hold at most 32 rows on average (T*K/E_local: weight-bound
     calls), else 128 (layout.gemm_tile_tokens). Results are the same bytes either way.
@@ -61,6 +63,7 @@ class Stage1Config:
   fault_delay_rank: int = -1
   fault_delay_ms: int = 0
   sm_dispatch_blocks: int = 24
+  ce_place_blocks: int = 4
   gemm_tile_tokens: Optional[int] = None
 
   def __post_init__(self):
@@ -79,9 +82,10 @@ class Stage1Config:
       raise ValueError(f"Stage1Config.swiglu_limit must be None or > 0, got {self.swiglu_limit!r}")
     if not self.timeout_s > 0:
       raise ValueError(f"Stage1Config.timeout_s must be > 0, got {self.timeout_s!r}")
-    if not isinstance(self.sm_dispatch_blocks, int) or not 1 <= self.sm_dispatch_blocks <= 1024:
-      raise ValueError("Stage1Config.sm_dispatch_blocks must be an int in [1, 1024], got "
-                       f"{self.sm_dispatch_blocks!r}")
+    for name in ("sm_dispatch_blocks", "ce_place_blocks"):
+      blocks = getattr(self, name)
+      if not isinstance(blocks, int) or not 1 <= blocks <= 1024:
+        raise ValueError(f"Stage1Config.{name} must be an int in [1, 1024], got {blocks!r}")
     if self.gemm_tile_tokens is not None and self.gemm_tile_tokens not in GEMM_TILE_TOKENS:
       raise ValueError(f"Stage1Config.gemm_tile_tokens must be None or one of "
                        f"{GEMM_TILE_TOKENS}, got {self.gemm_tile_tokens!r}")

@@ -19,6 +19,10 @@ class CeEngine(CudaWindowEngine):
   # engines, from the plan of the rank's latest dispatch (kernels/cuda/ep/combine.cu)
   combine = FfiDispatchEngine.combine
 
+  @property
+  def _kernel_blocks(self):  # its placement kernel's blocks, SMs the fused GEMM leaves to it
+    return self.config.ce_place_blocks
+
   _HOST_KEYS = ("calls", "plan_us", "plan_stream_us", "enqueue_us", "copies", "single_copies")
 
   def host_stats(self) -> dict:

@@ -18,6 +18,8 @@ def fused_gemm1_ok(hidden: int, row_align: int) -> bool:
 
 class CudaWindowEngine(WindowEngine):
   platforms = ("cuda",)
+  # the thread blocks of the engine's own kernel (SMs the fused GEMM leaves to it): a subclass's
+  _kernel_blocks: int
 
   @classmethod
   def check_mesh(cls, runtime):
@@ -30,9 +32,8 @@ class CudaWindowEngine(WindowEngine):
     """Device windows on this process's GPUs, then peer access within the process, or CUDA IPC
     handles exchanged with the other processes."""
     rt, ext = self.runtime, self._ext
-    wid = ext.ep_windows_create(rt.num_ranks, ext.ENGINE_IDS[self.name],
-                                self.config.sm_dispatch_blocks, *key, [r for r, _ in local],
-                                [d for _, d in local])
+    wid = ext.ep_windows_create(rt.num_ranks, ext.ENGINE_IDS[self.name], self._kernel_blocks,
+                                *key, [r for r, _ in local], [d for _, d in local])
     try:
       if len(local) == rt.num_ranks:
         ext.ep_windows_connect_local(wid)

@@ -13,3 +13,7 @@ class SmEngine(CudaWindowEngine):
   name = "sm"
   graph_capturable = True
   combine = FfiDispatchEngine.combine
+
+  @property
+  def _kernel_blocks(self):  # its dispatch kernel's blocks, SMs the fused GEMM leaves to it
+    return self.config.sm_dispatch_blocks

@@ -38,12 +38,6 @@ namespace {
 using cuda::EpWindowLayout;
 using cuda::at;
 
-// Engine ce: blocks of the placement kernel, SMs the fused GEMM leaves to it for its whole run
-// (its grid is fixed at launch): 4 of 132 cost the GEMM ~3%, inside issue 14's 0.95 of its rate
-// alone. Each block moves its segments within the GPU (a read and a write of every peer row).
-// Not yet measured on 2xH200; once it is, a Stage1Config option like sm_dispatch_blocks.
-constexpr int kCePlaceBlocks = 4;
-
 // The previous call's timeline into the statistics, if its events have completed (not when calls
 // are enqueued faster than they run: that call is then not counted). first_chunk: engine ce,
 // whose calls mark their first peer's copies.
@@ -129,7 +123,7 @@ std::string dispatch(void* stream, const DispatchGeometry& g, const SendView& se
                  cudaFuncSetAttribute(cuda::ep_sm_kernel,
                                       cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     if (w->engine == EngineId::kSm) {
-      busy_sms = std::min(w->sm_blocks, cuda::num_sms() - 1);
+      busy_sms = std::min(w->kernel_blocks, cuda::num_sms() - 1);
       cuda::ep_sm_kernel<<<busy_sms, 512, smem, me->side>>>(a, /*own_only=*/false);
       JSM_CUDA_TRY("dispatch sm", cudaGetLastError());
     } else {
@@ -141,7 +135,9 @@ std::string dispatch(void* stream, const DispatchGeometry& g, const SendView& se
       JSM_CUDA_TRY("dispatch ce own rows", cudaGetLastError());
       // the peers' rows from the staging to their offsets, beside the fused GEMM
       JSM_CUDA_TRY("dispatch ce place", cudaStreamWaitEvent(me->place, me->fork, 0));
-      const int place = std::min(kCePlaceBlocks, cuda::num_sms() - 2);
+      // Stage1Config.ce_place_blocks: SMs the fused GEMM leaves to it for its whole run (its grid
+      // is fixed at launch; 4 of 132 cost it ~3%), each block moving its segments within the GPU
+      const int place = std::min(w->kernel_blocks, cuda::num_sms() - 2);
       cuda::ep_place_kernel<<<place, 512, int(3 * w->g.EL + 1) * 4, me->place>>>(a);
       JSM_CUDA_TRY("dispatch ce place", cudaGetLastError());
       JSM_CUDA_TRY("dispatch ce place", cudaEventRecord(me->placed, me->place));

@@ -17,9 +17,9 @@ namespace ep {
 // The window sets of every Runtime with engine ce or sm, in a process-global registry (every
 // executable of a Runtime shares them, and they must exist before tracing: IPC handles are
 // exchanged then). Allocates (and zeroes) the windows of `ranks`, each on its CUDA device, for
-// `engine` (ce or sm; sm_blocks: the sm engine's kernel blocks). Returns the set's id > 0, or 0
-// with *err set.
-int64_t windows_create(EngineId engine, int sm_blocks, const DispatchGeometry& g,
+// `engine` (ce or sm; kernel_blocks: the blocks of the engine's own kernel, sm's stores or ce's
+// placement). Returns the set's id > 0, or 0 with *err set.
+int64_t windows_create(EngineId engine, int kernel_blocks, const DispatchGeometry& g,
                        const std::vector<int64_t>& ranks, const std::vector<int64_t>& devices,
                        std::string* err);
 // One process holding every rank: enables peer access between the devices, fills the tables.

@@ -62,7 +62,7 @@ struct LocalRank {
 
 struct WindowSet {
   EngineId engine = EngineId::kCe;
-  int sm_blocks = 0;
+  int kernel_blocks = 0;  // the engine kernel's blocks: sm's stores, ce's placement
   DispatchGeometry g{};
   cuda::EpWindowLayout L{};
   std::vector<LocalRank> local;

@@ -58,7 +58,7 @@ std::shared_ptr<WindowSet> find_set(int64_t id) {
   return g_sets.find(id);
 }
 
-int64_t windows_create(EngineId engine, int sm_blocks, const DispatchGeometry& g,
+int64_t windows_create(EngineId engine, int kernel_blocks, const DispatchGeometry& g,
                        const std::vector<int64_t>& ranks, const std::vector<int64_t>& devices,
                        std::string* err) {
   const int64_t R = g.R;
@@ -82,7 +82,7 @@ int64_t windows_create(EngineId engine, int sm_blocks, const DispatchGeometry& g
     return 0;
   }
   auto w = std::make_shared<WindowSet>();
-  w->engine = engine, w->sm_blocks = sm_blocks, w->g = g;
+  w->engine = engine, w->kernel_blocks = kernel_blocks, w->g = g;
   // the combine's return regions; engine ce's staging
   w->L = cuda::ep_window_layout(g, /*with_return=*/true, /*with_staging=*/engine == EngineId::kCe);
   for (size_t i = 0; i < ranks.size(); ++i) {
