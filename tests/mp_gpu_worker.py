@@ -74,6 +74,8 @@ def run(shape_name, T, r, iters=1):
     w = r.random((R * T, K)).astype(np.float32)
     outs = {e: mine(f(global_array(x), global_array(ids), global_array(w), w1s))
             for e, f in fns.items()}
+    for rt in runtimes.values():  # an expired wait names itself before the bytes are compared
+      rt.check()
     for name, a, b in zip(outs["ce"]._fields, outs["ce"], outs["sm"]):
       np.testing.assert_array_equal(_util.as_bytes(a), _util.as_bytes(b),
                                     err_msg=f"{shape_name} T={T} {routing}: {name} ce vs sm")
@@ -120,6 +122,8 @@ def run_moe(T, r, iters=4):
     weights = [jax.tree.map(lambda a: global_array(np.asarray(a)), q) for q in (w1q, w2q)]
     ys = {e: np.asarray(f(*args, *weights).addressable_shards[0].data)  # [T, H] of this rank
           for e, f in fns.items()}
+    for rt in runtimes.values():
+      rt.check()
     np.testing.assert_array_equal(_util.as_bytes(ys["ce"]), _util.as_bytes(ys["sm"]),
                                   err_msg=f"moe T={T} {routing}: y of ce vs sm")
     _util.check_y(_util.Asserts(), ys["sm"], ref[pid:pid + 1],

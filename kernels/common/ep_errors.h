@@ -13,6 +13,8 @@ inline std::string describe_wait_error(const EpError& e, int rank, double timeou
   if (e.code == 0) return "";
   const std::string what = e.code == 1   ? "the plan (send counts)"
                            : e.code == 3 ? "the rows it returns (combine)"
+                           : e.code == 4 ? "its staged rows (engine ce's placement, local expert " +
+                                               std::to_string(e.expert) + ")"
                                          : "the rows of local expert " + std::to_string(e.expert);
   return std::string("jax_sdma_moe ") + (e.code == 3 ? "combine" : "dispatch") + ": rank " +
          std::to_string(rank) + " timed out after " +

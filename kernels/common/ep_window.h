@@ -158,7 +158,7 @@ struct PeerTable {
 
 // Written by a kernel whose bounded wait ran out (host-mapped memory, read by the next call's
 // handler and by Runtime.check()). code: 0 none, 1 plan, 2 rows of an expert, 3 the rows a peer
-// returns (combine).
+// returns (combine), 4 a peer's staged rows (engine ce's placement).
 struct EpError {
   uint32_t code, peer, expert, epoch;
 };

@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(512) ep_place_kernel(const EpArgs a) {
     if (threadIdx.x == 0) seg = segs.of(e, s);
     // (its barriers publish seg)
     if (!wait_flags_block<1, true>(
-            flags + s, 1, epoch, a.timeout_ns, a.err, 2,
+            flags + s, 1, epoch, a.timeout_ns, a.err, 4,
             [s, e](int) { return WaitWho{uint32_t(s), uint32_t(e)}; }, [] { poll_pause(); }))
       return;
     const int64_t base = seg.base, from = seg.from, keep = seg.keep;
