@@ -169,6 +169,9 @@ ffi::Error DispatchGemm1Impl(cudaStream_t stream, ffi::AnyBuffer values, ffi::An
     return jsm::handler::wrong_engine("dispatch_gemm1 (CUDA)", opt.engine, "engines ce and sm");
   JSM_RETURN_IF_ERROR(check_dtype(values, ffi::DataType::F8E4M3FN, "dispatch_gemm1 rows"));
   const int64_t H = last_dim(values), cap = src_rank->dimensions()[0];
+  // before the dispatch's first kernel: its kernels spin beside the GEMM's launch
+  const std::string loaded = jsm::cuda::gemm1::load_gemm_kernels();
+  if (!loaded.empty()) return launch_error(loaded);
   FusedGemm fused{Gemm1Args{}, gemm_opt};
   fused.g.offsets = expert_offsets->typed_data();
   fused.g.counts = expert_counts->typed_data();

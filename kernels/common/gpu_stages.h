@@ -52,6 +52,11 @@ void launch_dispatch_local(const SendView& send, int EL, int64_t H, int64_t m_ca
 void launch_zero_padding_rows(const int32_t* expert_offsets, const int32_t* expert_counts, int EL,
                               int64_t m_cap, int64_t row_bytes, uint8_t* h, uint8_t* h_scales,
                               int64_t scale_bytes, Stream stream);
+#ifndef JSM_GPU_HIP
+// CUDA: the padding kernel loaded into the current device's context (a fused GEMM's launch runs
+// it; kernels/cuda/launch_util.h's load_kernels_once says why).
+Error load_zero_padding_rows();
+#endif
 
 }  // namespace gpu
 }  // namespace jsm

@@ -128,6 +128,12 @@ std::string combine(void* stream, const CombineView& in, int32_t* row_of,
     return "jax_sdma_moe combine (ce): no (token, slot) index workspace";
   LocalRank* me = rank_on_current_device(*w);
   if (!me) return "jax_sdma_moe combine: no rank of this Runtime lives on the current device";
+  static std::atomic<uint64_t> loaded{0};  // launch_util.h: kernels spin beside later launches
+  JSM_CUDA_TRY("combine: loading its kernels",
+               cuda::load_kernels_once(loaded, gpu::ep_return_begin_kernel,
+                                       cuda::ep_return_gather_kernel, cuda::ep_return_index_kernel,
+                                       gpu::ep_return_put_kernel, gpu::ep_return_flag_kernel,
+                                       gpu::ep_return_sum_kernel));
   me->timeout_s = opt.timeout_s;
   err = describe(*me);
   if (!err.empty()) return err;

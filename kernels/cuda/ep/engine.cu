@@ -76,6 +76,11 @@ std::string dispatch(void* stream, const DispatchGeometry& g, const SendView& se
   if (capture != cudaStreamCaptureStatusNone && w->engine != EngineId::kSm)
     return "jax_sdma_moe dispatch: engine 'ce' synchronises with the host in every call and "
            "cannot run inside a CUDA graph; use engine 'sm' there";
+  static std::atomic<uint64_t> loaded{0};  // launch_util.h: kernels spin beside later launches
+  JSM_CUDA_TRY("dispatch: loading its kernels",
+               cuda::load_kernels_once(loaded, cuda::ep_begin_kernel, cuda::ep_headers_kernel,
+                                       cuda::ep_sm_kernel, cuda::ep_place_kernel,
+                                       cuda::ep_layout_kernel, cuda::ep_rows_kernel));
   me->timeout_s = opt.timeout_s;
   read_marks(*me, w->engine == EngineId::kCe);
   err = describe(*me);

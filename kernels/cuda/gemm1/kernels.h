@@ -42,6 +42,12 @@ void launch_sm90_mx_bf16_rs(const Gemm1Args& g, const Bf16RsMaps& maps, int grid
 // sm80_mma.cu: mma.sync with cp.async stages (any H % 32 == 0).
 void launch_sm80_mma(const Gemm1Args& g, int grid, cudaStream_t stream);
 
+// Each variant's kernels loaded into the current device's context (load_kernels_once,
+// launch_util.h: a fused GEMM launches while a dispatch kernel spins).
+cudaError_t load_sm90_tma_ws();
+cudaError_t load_sm90_mx_bf16_rs();
+cudaError_t load_sm80_mma();
+
 }  // namespace gemm1
 }  // namespace cuda
 }  // namespace jsm

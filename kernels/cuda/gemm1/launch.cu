@@ -117,6 +117,15 @@ std::string launch_gemm1(Gemm1Args g, int grid, cudaStream_t stream, const Gemm1
   return last_error("gemm1");
 }
 
+std::string load_gemm_kernels() {
+  cudaError_t e = load_sm90_mx_bf16_rs();
+  if (e == cudaSuccess) e = load_sm90_tma_ws();
+  if (e == cudaSuccess) e = load_sm80_mma();
+  if (e == cudaSuccess) e = gpu::load_zero_padding_rows();
+  return e == cudaSuccess ? "" : std::string("jax_sdma_moe: loading the GEMM kernels: ") +
+                                     cudaGetErrorString(e);
+}
+
 std::string launch_gemm2(Gemm1Args g, int grid, cudaStream_t stream, int64_t tile_tokens) {
   g.has_limit = false;
   gpu::launch_zero_padding_rows(g.offsets, g.counts, g.EL, g.m_cap, g.I * 2,

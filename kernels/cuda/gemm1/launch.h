@@ -30,6 +30,10 @@ std::string launch_gemm1(Gemm1Args g, int grid, cudaStream_t stream, const Gemm1
 // error message.
 std::string launch_gemm2(Gemm1Args g, int grid, cudaStream_t stream, int64_t tile_tokens);
 
+// Every kernel the two launches above may run, loaded into the current device's context: a fused
+// call loads them before its dispatch's first kernel (load_kernels_once, launch_util.h, says why).
+std::string load_gemm_kernels();
+
 }  // namespace gemm1
 }  // namespace cuda
 }  // namespace jsm

@@ -17,6 +17,7 @@
 #include "kernels/cuda/gemm1/args.h"
 #include "kernels/cuda/gemm1/common.cuh"
 #include "kernels/cuda/gemm1/kernels.h"
+#include "kernels/cuda/launch_util.h"
 #include "kernels/cuda/gemm1/scheduler.cuh"
 
 namespace jsm {
@@ -255,6 +256,11 @@ __global__ void __launch_bounds__(THREADS, 1) sm80_mma_kernel(const Gemm1Args g_
 }
 
 }  // namespace sm80
+
+cudaError_t load_sm80_mma() {
+  static std::atomic<uint64_t> loaded{0};
+  return load_kernels_once(loaded, sm80::sm80_mma_kernel<sm80::Cfg<KB, 4>>);
+}
 
 void launch_sm80_mma(const Gemm1Args& g, int grid, cudaStream_t stream) {
   using C = sm80::Cfg<KB, 4>;

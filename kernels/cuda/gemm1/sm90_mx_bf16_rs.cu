@@ -28,6 +28,7 @@
 #include "kernels/cuda/gemm1/args.h"
 #include "kernels/cuda/gemm1/common.cuh"
 #include "kernels/cuda/gemm1/kernels.h"
+#include "kernels/cuda/launch_util.h"
 #include "kernels/cuda/gemm1/mx_bf16.cuh"
 #include "kernels/cuda/gemm1/scheduler.cuh"
 #include "kernels/cuda/gemm1/sm90.cuh"
@@ -569,6 +570,15 @@ void launch(const Gemm1Args& g, const Bf16RsMaps& maps, int grid, cudaStream_t s
 }
 
 }  // namespace sm90_bf16
+
+cudaError_t load_sm90_mx_bf16_rs() {
+  using namespace sm90_bf16;
+  static std::atomic<uint64_t> loaded{0};
+  return load_kernels_once(loaded, gemm_sm90_mx_bf16_rs<true, kBf16TileTokens>,
+                           gemm_sm90_mx_bf16_rs<true, kBf16SmallTileTokens>,
+                           gemm_sm90_mx_bf16_rs<false, kBf16TileTokens>,
+                           gemm_sm90_mx_bf16_rs<false, kBf16SmallTileTokens>);
+}
 
 void launch_sm90_mx_bf16_rs(const Gemm1Args& g, const Bf16RsMaps& maps, int grid,
                             cudaStream_t stream, bool swiglu, int tile_tokens) {

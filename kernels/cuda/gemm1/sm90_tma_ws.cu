@@ -21,6 +21,7 @@
 #include "kernels/cuda/gemm1/args.h"
 #include "kernels/cuda/gemm1/common.cuh"
 #include "kernels/cuda/gemm1/kernels.h"
+#include "kernels/cuda/launch_util.h"
 #include "kernels/cuda/gemm1/scheduler.cuh"
 #include "kernels/cuda/gemm1/sm90.cuh"
 
@@ -319,6 +320,11 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 }
 
 }  // namespace sm90_ws
+
+cudaError_t load_sm90_tma_ws() {
+  static std::atomic<uint64_t> loaded{0};
+  return load_kernels_once(loaded, sm90_ws::sm90_tma_ws_kernel);
+}
 
 void launch_sm90_tma_ws(const Gemm1Args& g, const CUtensorMap& map_a0, const CUtensorMap& map_a1,
                         const CUtensorMap& map_b, int grid, cudaStream_t stream) {
