@@ -96,7 +96,10 @@ class ErrorsTest(parameterized.TestCase):
     for kw, pattern in [({"engine": "nccl"}, "engine"), ({"row_align": 0}, "row_align"),
                         ({"max_recv_rows": 0}, "max_recv_rows"), ({"out_dtype": "fp4"}, "out_dtype"),
                         ({"swiglu_limit": -1.0}, "swiglu_limit"), ({"timeout_s": 0}, "timeout_s"),
-                        ({"gemm_tile_tokens": 64}, "gemm_tile_tokens")]:
+                        ({"gemm_tile_tokens": 64}, "gemm_tile_tokens"),
+                        ({"sm_dispatch_blocks": 0}, "sm_dispatch_blocks"),
+                        ({"ce_place_blocks": 2.5}, "ce_place_blocks"),
+                        ({"ce_place_blocks": 1025}, "ce_place_blocks")]:
       with self.subTest(str(kw)), self.assertRaisesRegex(ValueError, pattern):
         jsm.Stage1Config(**kw)
 
