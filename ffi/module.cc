@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "ffi/cpu_handlers.h"
+#include "kernels/common/ep_window.h"
 #include "kernels/common/options.h"
 #include "kernels/cpu/window_table.h"
 #ifdef JSM_WITH_CUDA
@@ -124,6 +125,18 @@ PYBIND11_MODULE(_jsm_ffi, m) {
   // The cpu engine's window table of a Runtime: its id is the `dispatch` attribute's window_set.
   m.def("cpu_windows_create", &jsm::cpu_windows_create, py::arg("num_ranks"));
   m.def("cpu_windows_destroy", &jsm::cpu_windows_destroy, py::arg("table_id"));
+  // The bytes of one rank's window of the CUDA window engines for a dispatch geometry (the layout
+  // of kernels/common/ep_window.h; every build has it): the Runtime's memory guard counts it.
+  m.def(
+      "ep_window_bytes",
+      [](int64_t R, int64_t EL, int64_t H, int64_t m_cap, int64_t send_rows, bool with_return,
+         bool with_staging) {
+        return jsm::ep_window_layout(jsm::DispatchGeometry{R, EL, H, m_cap, send_rows},
+                                     with_return, with_staging)
+            .bytes;
+      },
+      py::arg("num_ranks"), py::arg("local_experts"), py::arg("hidden"), py::arg("m_cap"),
+      py::arg("send_rows"), py::arg("with_return"), py::arg("with_staging"));
 #ifdef JSM_WITH_CUDA
   // The ce/sm engines' window sets: created per dispatch geometry by jax_sdma_moe.runtime; an id
   // is the `dispatch` attribute's window_set.

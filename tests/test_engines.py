@@ -51,6 +51,25 @@ class EnginesTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "one rank"):
       jsm.Runtime(_util.mesh(1), "ep", jsm.Stage1Config(engine="sdma"), lowering_platform="rocm")
 
+  def test_window_bytes(self):
+    """What the CUDA window engines' windows hold beyond their landing slots, from the C++ layout
+    that allocates them (kernels/common/ep_window.h), as the Runtime's memory guard counts it:
+    sm's the combine's return slots, ce's also its staging of every peer's rows (DESIGN §6)."""
+    R, H, EL, cap, S = 8, 7168, 16, 4096, 2048  # S: send rows (T * K)
+    got = {}
+    for name in ("sm", "ce"):  # lowered for CUDA: no windows are made
+      with jsm.Runtime(_util.mesh(R), "ep", jsm.Stage1Config(engine=name),
+                       lowering_platform="cuda") as rt:
+        got[name] = rt.engine.window_bytes(H, EL, cap, S)
+    meta = (16 + H // 32 + 15) // 16 * 16  # a staged meta row: header, then the scale bytes
+    returns = 2 * S * (2 * H + 8)
+    staging = S * meta + 2 * (R - 1) * S * (H + meta) + (R - 1) * S * (2 * H + 8)
+    # the rest: plans, flags, the send headers, counters, 256-byte alignment of each region
+    self.assertBetween(got["sm"] - returns, S * 16, S * 16 + 2**16)
+    self.assertBetween(got["ce"] - got["sm"] - staging, 0, 16 * 256)
+    with jsm.Runtime(_util.mesh(R), "ep") as rt:  # engine cpu: windows of landing slots only
+      self.assertEqual(rt.engine.window_bytes(H, EL, cap, S), 0)
+
   def test_default_selection_rules(self):
     pick = lambda **kw: engines.select(None, **{**dict(platform="cuda", num_ranks=2,
                                                       multi_process=False, only_axis=True,

@@ -73,6 +73,11 @@ class Engine:
     token there in slot order: y [num_tokens, H] bf16 (DESIGN.md §3, §6)."""
     raise self.combine_not_built()
 
+  def window_bytes(self, H: int, EL: int, cap: int, send_rows: int) -> int:
+    """Device bytes per rank of the engine's windows for one call geometry beyond the two parity
+    slots of landing rows that api.call_bytes counts (0: nothing more)."""
+    return 0
+
   @classmethod
   def combine_not_built(cls) -> NotImplementedError:
     return NotImplementedError(
