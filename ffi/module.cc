@@ -13,6 +13,7 @@
 
 #include "ffi/cpu_handlers.h"
 #include "kernels/common/ep_window.h"
+#include "kernels/rocm/sdma/window.h"
 #include "kernels/common/options.h"
 #include "kernels/cpu/window_table.h"
 #ifdef JSM_WITH_CUDA
@@ -125,18 +126,22 @@ PYBIND11_MODULE(_jsm_ffi, m) {
   // The cpu engine's window table of a Runtime: its id is the `dispatch` attribute's window_set.
   m.def("cpu_windows_create", &jsm::cpu_windows_create, py::arg("num_ranks"));
   m.def("cpu_windows_destroy", &jsm::cpu_windows_destroy, py::arg("table_id"));
-  // The bytes of one rank's window of the CUDA window engines for a dispatch geometry (the layout
-  // of kernels/common/ep_window.h; every build has it): the Runtime's memory guard counts it.
+  // The bytes of one rank's window of a window engine (ce, sm: kernels/common/ep_window.h; sdma:
+  // kernels/rocm/sdma/window.h) for a dispatch geometry, as its window set allocates it; every
+  // build has it: the Runtime's memory guard counts it.
   m.def(
-      "ep_window_bytes",
-      [](int64_t R, int64_t EL, int64_t H, int64_t m_cap, int64_t send_rows, bool with_return,
-         bool with_staging) {
-        return jsm::ep_window_layout(jsm::DispatchGeometry{R, EL, H, m_cap, send_rows},
-                                     with_return, with_staging)
-            .bytes;
+      "window_bytes",
+      [](int64_t engine_id, int64_t R, int64_t EL, int64_t H, int64_t m_cap, int64_t send_rows) {
+        const jsm::DispatchGeometry g{R, EL, H, m_cap, send_rows};
+        const jsm::EngineId engine = jsm::EngineId(engine_id);
+        if (engine == jsm::EngineId::kSdma) return jsm::sdma::sdma_window_layout(g).bytes;
+        if (engine == jsm::EngineId::kCe || engine == jsm::EngineId::kSm)
+          return jsm::ep_window_layout_of(engine, g).bytes;
+        throw std::invalid_argument("window_bytes: engine " + std::to_string(engine_id) +
+                                    " has no window");
       },
-      py::arg("num_ranks"), py::arg("local_experts"), py::arg("hidden"), py::arg("m_cap"),
-      py::arg("send_rows"), py::arg("with_return"), py::arg("with_staging"));
+      py::arg("engine_id"), py::arg("num_ranks"), py::arg("local_experts"), py::arg("hidden"),
+      py::arg("m_cap"), py::arg("send_rows"));
 #ifdef JSM_WITH_CUDA
   // The ce/sm engines' window sets: created per dispatch geometry by jax_sdma_moe.runtime; an id
   // is the `dispatch` attribute's window_set.

@@ -52,14 +52,15 @@ class EnginesTest(absltest.TestCase):
       jsm.Runtime(_util.mesh(1), "ep", jsm.Stage1Config(engine="sdma"), lowering_platform="rocm")
 
   def test_window_bytes(self):
-    """What the CUDA window engines' windows hold beyond their landing slots, from the C++ layout
-    that allocates them (kernels/common/ep_window.h), as the Runtime's memory guard counts it:
-    sm's the combine's return slots, ce's also its staging of every peer's rows (DESIGN §6)."""
+    """What the window engines' windows hold beyond their landing slots, from the C++ layouts that
+    allocate them (kernels/common/ep_window.h, kernels/rocm/sdma/window.h), as the Runtime's memory
+    guard counts it: sm's the combine's return slots, ce's also its staging of every peer's rows,
+    sdma's the return slots and its staged send rows (DESIGN §6)."""
     R, H, EL, cap, S = 8, 7168, 16, 4096, 2048  # S: send rows (T * K)
     got = {}
-    for name in ("sm", "ce"):  # lowered for CUDA: no windows are made
+    for name, platform in (("sm", "cuda"), ("ce", "cuda"), ("sdma", "rocm")):
       with jsm.Runtime(_util.mesh(R), "ep", jsm.Stage1Config(engine=name),
-                       lowering_platform="cuda") as rt:
+                       lowering_platform=platform) as rt:  # lowered only: no windows are made
         got[name] = rt.engine.window_bytes(H, EL, cap, S)
     meta = (16 + H // 32 + 15) // 16 * 16  # a staged meta row: header, then the scale bytes
     returns = 2 * S * (2 * H + 8)
@@ -67,6 +68,7 @@ class EnginesTest(absltest.TestCase):
     # the rest: plans, flags, the send headers, counters, 256-byte alignment of each region
     self.assertBetween(got["sm"] - returns, S * 16, S * 16 + 2**16)
     self.assertBetween(got["ce"] - got["sm"] - staging, 0, 16 * 256)
+    self.assertBetween(got["sdma"] - got["sm"] - S * (H + H // 32), 0, 16 * 256)
     with jsm.Runtime(_util.mesh(R), "ep") as rt:  # engine cpu: windows of landing slots only
       self.assertEqual(rt.engine.window_bytes(H, EL, cap, S), 0)
 

@@ -19,8 +19,6 @@ class CeEngine(CudaWindowEngine):
   # engines, from the plan of the rank's latest dispatch (kernels/cuda/ep/combine.cu)
   combine = FfiDispatchEngine.combine
 
-  _staging = True
-
   @property
   def _kernel_blocks(self):  # its placement kernel's blocks, SMs the fused GEMM leaves to it
     return self.config.ce_place_blocks

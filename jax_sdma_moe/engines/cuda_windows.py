@@ -20,15 +20,6 @@ class CudaWindowEngine(WindowEngine):
   platforms = ("cuda",)
   # the thread blocks of the engine's own kernel (SMs the fused GEMM leaves to it): a subclass's
   _kernel_blocks: int
-  # whether its windows hold a staging of the peers' rows (engine ce's, DESIGN §6)
-  _staging = False
-
-  def window_bytes(self, H, EL, cap, send_rows):
-    """The window's bytes (kernels/common/ep_window.h, with the combine's return regions and the
-    engine's staging) beyond its two parity slots of landing rows (values, scales, headers)."""
-    whole = primitives.extension().ep_window_bytes(self.runtime.num_ranks, EL, H, cap, send_rows,
-                                                   True, self._staging)
-    return whole - 2 * cap * (H + H // BLOCK + 16)
 
   @classmethod
   def check_mesh(cls, runtime):

@@ -32,6 +32,14 @@ class WindowEngine(FfiDispatchEngine):
     self._windows = {}  # (H, EL, M_cap, send rows) -> window set id
     self._closed = False
 
+  def window_bytes(self, H, EL, cap, send_rows):
+    """The window's bytes as its set allocates them (the extension's window_bytes: ce and sm with
+    the combine's return regions, ce also its staging, sdma its staged send rows) beyond its two
+    parity slots of landing rows (values, scales, headers)."""
+    whole = self._ext.window_bytes(self._ext.ENGINE_IDS[self.name], self.runtime.num_ranks, EL,
+                                   H, cap, send_rows)
+    return whole - 2 * cap * (H + H // layout.BLOCK + 16)
+
   def window_set(self, send, send_counts, cap):
     """The windows of one dispatch geometry, created at the first trace that needs them (on the
     host, outside any computation). Every process of a multi-process mesh must trace the same

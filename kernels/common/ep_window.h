@@ -46,6 +46,7 @@
 
 #include "kernels/common/dispatch_io.h"
 #include "kernels/common/mxfp8.h"
+#include "kernels/common/options.h"
 
 namespace jsm {
 
@@ -143,6 +144,11 @@ JSM_HD EpWindowLayout ep_window_layout(const DispatchGeometry& g, bool with_retu
   }
   w.bytes = off;
   return w;
+}
+
+// The window of the CUDA engine `engine`: the combine's return regions, and engine ce's staging.
+JSM_HD EpWindowLayout ep_window_layout_of(EngineId engine, const DispatchGeometry& g) {
+  return ep_window_layout(g, /*with_return=*/true, /*with_staging=*/engine == EngineId::kCe);
 }
 
 // The section at `offset` of a window.

@@ -83,8 +83,7 @@ int64_t windows_create(EngineId engine, int kernel_blocks, const DispatchGeometr
   }
   auto w = std::make_shared<WindowSet>();
   w->engine = engine, w->kernel_blocks = kernel_blocks, w->g = g;
-  // the combine's return regions; engine ce's staging
-  w->L = cuda::ep_window_layout(g, /*with_return=*/true, /*with_staging=*/engine == EngineId::kCe);
+  w->L = jsm::ep_window_layout_of(engine, g);
   for (size_t i = 0; i < ranks.size(); ++i) {
     LocalRank l;
     l.rank = int(ranks[i]), l.device = int(devices[i]);
