@@ -129,8 +129,8 @@ def stage1(x: Union[jax.Array, MXFP8], topk, w1q: QuantizedW1, *, runtime: Runti
   I = w1q.values.shape[1] // 2
   workspace = (layout.workspace_bytes(layout.gemm1_workspace(cap, H, I, EL))
                if runtime.platform == "cuda" else 0)  # (the CUDA gemm1's, DESIGN §5)
-  # the engine's windows beyond their landing slots (sm, ce: the combine's return slots; ce also
-  # its staging of the peers' rows: DESIGN §6)
+  # the engine's windows beyond their landing slots (ce, sm, sdma: the combine's return slots; ce
+  # also its staging of the peers' rows, sdma its staged send rows: DESIGN §2, §6)
   windows = runtime.engine.window_bytes(H, EL, cap, T * K)
   runtime.check_memory(f"T = {T} tokens of H = {H} with M_cap = {cap} landing rows",
                        call_bytes(R, T, H, I, K, cap, cfg.out_dtype) + workspace + windows)
