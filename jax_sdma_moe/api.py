@@ -106,7 +106,7 @@ def call_bytes(R: int, T: int, H: int, I: int, K: int, cap: int, out_dtype: str)
   """Device bytes one stage1 call holds per rank at most: the send buffer, the landed rows with
   their headers, two parity slots of landing windows (engines with windows; engine xla's
   received rows take as much), and h."""
-  row = H + H // BLOCK + 16
+  row = layout.landing_row_bytes(H)
   h_row = I * 2 if out_dtype == "bf16" else I + I // BLOCK
   return T * K * row + cap * (3 * row + h_row)
 
@@ -131,7 +131,7 @@ def stage1(x: Union[jax.Array, MXFP8], topk, w1q: QuantizedW1, *, runtime: Runti
                if runtime.platform == "cuda" else 0)  # (the CUDA gemm1's, DESIGN §5)
   # the engine's windows beyond their landing slots (ce, sm, sdma: the combine's return slots; ce
   # also its staging of the peers' rows, sdma its staged send rows: DESIGN §2, §6)
-  windows = runtime.engine.window_bytes(H, EL, cap, T * K)
+  windows = runtime.engine.window_bytes(H, EL, cap, layout.send_rows(T, K))
   runtime.check_memory(f"T = {T} tokens of H = {H} with M_cap = {cap} landing rows",
                        call_bytes(R, T, H, I, K, cap, cfg.out_dtype) + workspace + windows)
   ids = ids.astype(jnp.int32)

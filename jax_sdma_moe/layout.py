@@ -18,6 +18,11 @@ def m_cap(num_ranks: int, tokens: int, topk: int, experts_per_rank: int, row_ali
   return num_ranks * tokens * min(topk, experts_per_rank) + experts_per_rank * (row_align - 1)
 
 
+def landing_row_bytes(hidden: int) -> int:
+  """A landing row in a window slot: fp8 values, scales and the 16-byte row header."""
+  return hidden + hidden // BLOCK + 16
+
+
 def send_rows(tokens: int, topk: int) -> int:
   """Rows of a source's send buffer: one per (token, slot) at most."""
   return tokens * topk

@@ -38,7 +38,7 @@ class WindowEngine(FfiDispatchEngine):
     parity slots of landing rows (values, scales, headers)."""
     whole = self._ext.window_bytes(self._ext.ENGINE_IDS[self.name], self.runtime.num_ranks, EL,
                                    H, cap, send_rows)
-    return whole - 2 * cap * (H + H // layout.BLOCK + 16)
+    return whole - 2 * cap * layout.landing_row_bytes(H)
 
   def window_set(self, send, send_counts, cap):
     """The windows of one dispatch geometry, created at the first trace that needs them (on the
