@@ -154,14 +154,16 @@ class CudaGemm1Test(parameterized.TestCase):
       self.check_experts(out, landed, w1q, s.swiglu_limit, out_dtype, r)
 
   @parameterized.parameters(("bf16", "uniform", 768), ("mxfp8", "uniform", 768),
-                            ("bf16", "skewed", 800), ("mxfp8", "uniform", 4608))
+                            ("bf16", "skewed", 800), ("mxfp8", "uniform", 4608),
+                            ("bf16", "uniform", 4608))
   def test_tile_widths_give_the_same_bytes(self, out_dtype, routing, T):
     """The bf16 GEMM's tiles (Stage1Config.gemm_tile_tokens) on the same rows: h byte for byte,
-    and the small tile's against the reference. The large tile leaves tails of at most
-    kBf16TailMax (32) rows past an expert's full tiles to a small-tile launch. dsv3, uniform, 768
-    tokens: ~24 rows per expert, so some experts fill more than one small tile and most are
-    tails only; skewed, 800 tokens: eight experts of 800 rows, six full large tiles and a tail of
-    32; uniform, 4608 tokens: ~144 rows per expert, tails on both sides of 32."""
+    and the small tile's against the reference. The large tile leaves an expert's tail past its
+    full tiles to a launch of its own (kernels/cuda/gemm1/args.h RowPart): up to 24 rows join its
+    last full tile in a 152-token tile, up to 32 run in small tiles. dsv3, uniform, 768 tokens:
+    ~24 rows per expert, so some experts fill more than one small tile and most are tails only;
+    skewed, 800 tokens: eight experts of 800 rows, six full large tiles and a tail of 32 (small
+    tiles); uniform, 4608 tokens: ~144 rows per expert, tails on both sides of 24 and 32."""
     s = jsm.SHAPES["dsv3"]
     r = _util.rng()
     x, ids, w = self.inputs(s, T, routing, r)

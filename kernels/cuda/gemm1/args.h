@@ -21,9 +21,14 @@ constexpr int KB = 4;
 // The bf16 kernel's tiles: kBf16TileTokens tokens, or kBf16SmallTileTokens where experts hold
 // few rows (Gemm1Options.tile_tokens; jax_sdma_moe/layout.py GEMM_TILE_TOKENS).
 constexpr int kBf16TileTokens = 128, kBf16SmallTileTokens = 32;
-// An expert's tail (rows past its last full large tile) of at most this many rows runs in small
-// tiles, after the large ones (Gemm1Args.tail_max).
-constexpr int kBf16TailMax = 32;
+// With the large tile, an expert's tail (rows past its last full large tile) runs apart from its
+// full tiles (RowPart): past a full tile, a tail of at most kBf16WideTileTokens - kBf16TileTokens
+// rows joins that tile in one wide tile (the tail's weights are then loaded and upcast once, with
+// the tile's); another tail of at most kBf16TailMax rows runs in small tiles.
+constexpr int kBf16WideTileTokens = 152, kBf16TailMax = 32;
+// Which rows of each expert a launch of the bf16 kernel covers (scheduler.cuh launch_rows): all of
+// them, or with the large tile its full tiles (head), its wide tile, or its short tail.
+enum RowPart : int { kAllRows = 0, kHeadRows, kWideRows, kTailRows };
 // The row tiles of a call can number at most this, for either tile: sum over experts of
 // ceil(count / 32) with the counts summing to at most m_cap. jax_sdma_moe/layout.py's
 // bf16_gemm_workspace sizes the flags by the same rule.
@@ -52,11 +57,9 @@ struct Gemm1Args {
   uint8_t* xb;
   uint32_t* xb_ready;
   int64_t xb_ready_count;
-  // The bf16 kernel's row split (launch_bf16_route): with tail_max > 0, an expert's last partial
-  // row tile of at most tail_max rows (its tail) is left out of the large-tile launch and is the
-  // whole of the small-tile launch that follows (tail_launch). 0: a launch covers every row.
-  int tail_max;
-  bool tail_launch;
+  // The bf16 kernel's row split (launch_bf16_route): the RowPart of each expert's rows that this
+  // launch covers.
+  int row_part;
   // Fused with a dispatch (engines ce, sm): the call's epoch is *epoch_counter (on the device, so
   // a replayed CUDA graph reads the right one); the rows are the landing slot of its parity, and
   // expert e's rows may be read once slot_arrival[parity][e * arrival_ranks + s] has reached the

@@ -67,18 +67,27 @@ std::string launch_bf16_route(Gemm1Args g, int64_t weight_rows, int grid,
   std::string err = tensor_map(&maps.w, g.w, g.H, weight_rows, kBf16WeightBoxRows, kBf16StageK);
   if (err.empty())
     err = tensor_map(&maps.w_scales, g.w_scales, g.H / kBlock, weight_rows, kBf16WeightBoxRows, 16);
-  // The large tile leaves each expert's short tail (kBf16TailMax rows at most) to the small tile:
-  // as a 128-token tile it costs what a full one does (the weights' loads and upcasts are per
-  // tile, not per row), as a 32-token one little more than its weights' stream from HBM.
-  const bool split = tile_tokens == kBf16TileTokens;
-  g.tail_max = split ? kBf16TailMax : 0;
-  for (int part = 0; part < (split ? 2 : 1) && err.empty(); ++part) {
-    const int tok = part == 0 ? int(tile_tokens) : kBf16SmallTileTokens;
-    g.tail_launch = part == 1;
-    err = tensor_map(&maps.xb, g.xb, 2 * g.H, g.m_cap, tok, 128);
+  // The large tile leaves each expert's short tail to a launch of its own (args.h RowPart): as a
+  // 128-token tile a tail costs what a full one does (the weights' loads and upcasts are per
+  // tile, not per row); joined to the expert's last full tile in a wide one it costs the wide
+  // tile's extra tokens; in a 32-token tile, little more than its weights' stream from HBM.
+  struct Part {
+    RowPart rows;
+    int tokens;
+  };
+  const Part all[1] = {{kAllRows, int(tile_tokens)}};
+  const Part split[3] = {{kHeadRows, kBf16TileTokens},
+                         {kWideRows, kBf16WideTileTokens},
+                         {kTailRows, kBf16SmallTileTokens}};
+  const bool large = tile_tokens == kBf16TileTokens;
+  const Part* parts = large ? split : all;
+  for (int i = 0; i < (large ? 3 : 1); ++i) {
+    const Part& part = parts[i];
+    g.row_part = part.rows;
+    err = tensor_map(&maps.xb, g.xb, 2 * g.H, g.m_cap, part.tokens, 128);
     if (!err.empty()) break;
     cudaMemsetAsync(g.xb_ready, 0, size_t(g.xb_ready_count) * sizeof(uint32_t), stream);
-    launch_sm90_mx_bf16_rs(g, maps, grid, stream, swiglu, tok);
+    launch_sm90_mx_bf16_rs(g, maps, grid, stream, swiglu, part.tokens);
   }
   return err;
 }

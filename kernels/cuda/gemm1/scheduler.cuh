@@ -66,12 +66,19 @@ struct TileSchedulerFor {
   }
 
   // The rows of expert e this launch covers: [first, first + the result) of its landed rows
-  // (Gemm1Args.tail_max: the large-tile launch leaves a short tail to a small-tile one).
+  // (Gemm1Args.row_part; args.h kBf16WideTileTokens: the tails of the large tile's launches).
   static __device__ __forceinline__ int launch_rows(const Gemm1Args& g, int e, int& first) {
     const int count = g.counts[e], tail = count % kBf16TileTokens;
-    const int head = g.tail_max > 0 && tail <= g.tail_max ? count - tail : count;
-    first = g.tail_launch ? head : 0;
-    return g.tail_launch ? count - head : head;
+    first = 0;
+    if (g.row_part == kAllRows) return count;
+    const bool wide =
+        count > kBf16TileTokens && tail >= 1 && tail <= kBf16WideTileTokens - kBf16TileTokens;
+    const bool small = !wide && tail >= 1 && tail <= kBf16TailMax;
+    const int head = count - (wide ? kBf16TileTokens + tail : small ? tail : 0);
+    if (g.row_part == kHeadRows) return head;
+    first = head;
+    return (wide && g.row_part == kWideRows) || (small && g.row_part == kTailRows) ? count - head
+                                                                                   : 0;
   }
 
   __device__ __forceinline__ int total(const Gemm1Args& g) const { return tile_start[g.EL]; }

@@ -24,6 +24,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "kernels/common/mxfp8.h"
 #include "kernels/cuda/gemm1/args.h"
 #include "kernels/cuda/gemm1/common.cuh"
@@ -38,10 +40,12 @@ namespace cuda {
 namespace gemm1 {
 namespace sm90_bf16 {
 
-// kTok: tokens per tile (wgmma N), a template parameter of the kernel: kBf16TileTokens, or
+// kTok: tokens per tile (wgmma N), a template parameter of the kernel: kBf16TileTokens;
+// kBf16WideTileTokens for an expert's last full tile with its short tail (args.h); or
 // kBf16SmallTileTokens where experts hold few rows (weight streaming: a 128-token instruction on 16
 // rows spends 8x the tensor time the rows need, which at 16 rows per expert costs more than
-// reading the weights; a separate kernel, since two wgmma shapes in one kernel serialise them).
+// reading the weights). A separate kernel each, since two wgmma shapes in one kernel serialise
+// them.
 constexpr int COLS = kBf16TileCols;   // output columns per tile: 64 per consumer warpgroup
 constexpr int WROWS = 2 * COLS;       // weight rows per tile
 // K per stage: four MX blocks (NB), one 128-byte fp8 row. Whole 128-byte rows and few large TMA
@@ -49,21 +53,26 @@ constexpr int WROWS = 2 * COLS;       // weight rows per tile
 // bytes (docs/PERF.md §3).
 constexpr int KS = kBf16StageK, NB = KS / kBlock;
 constexpr int WBOX = kBf16WeightBoxRows;  // weight rows per TMA box: a tile's gate or up rows
-// Stages of the ring: 3 of the large tile's 64 KB; 4 of the small tile's 40 KB (what fits).
+// Stages of the ring: 3 of the large tile's 64 KB (the wide tile's 70); 4 of the small tile's 40
+// KB (what fits).
 template <int kTok>
-constexpr int kStages = kTok == kBf16TileTokens ? 3 : 4;
+constexpr int kStages = kTok == kBf16SmallTileTokens ? 4 : 3;
 // Weight scales come by TMA in super-stages of kScaleStages stages (16 scale bytes per row, the
 // smallest TMA box), two super-stages deep.
 constexpr int kScaleStages = 4, kScaleBytes = kScaleStages * KS / kBlock;
 constexpr int kEpiTokens = 32;  // tokens per pass through the epilogue's staging
-// Registers per thread of the producer and the consumer warpgroups.
-using Registers = WsRegisterSplit<88, 208>;
+// Registers per thread of the producer and the consumer warpgroups (the wide tile's consumers hold
+// 24 accumulators more).
+template <int kTok>
+using Registers =
+    std::conditional_t<kTok == kBf16WideTileTokens, WsRegisterSplit<72, 216>, WsRegisterSplit<88, 208>>;
 constexpr int kTransformThreads = 96;  // warps 1-3 of the producer warpgroup
 // The transform's work items: quarters (kChunks) of a row tile's H (transform_row_tiles).
 constexpr int kChunks = 4;
 constexpr int kEpiStride = 68;  // floats per staged token row: 8 * tig + g spreads a warp's stores
 static_assert(COLS == 128, "two consumer warpgroups");
-static_assert(kBf16TileTokens == 128 && kBf16SmallTileTokens == 32, "the wgmma shapes below");
+static_assert(kBf16TileTokens == 128 && kBf16WideTileTokens == 152 && kBf16SmallTileTokens == 32,
+              "the wgmma shapes below");
 
 // One stage of the ring, filled by TMA.
 // w: fp8 weight rows, 128-byte swizzle (16-byte chunk c of row r at c ^ (r & 7)), in two TMA boxes
@@ -80,21 +89,42 @@ struct alignas(1024) Stage {
 struct alignas(128) ScaleStage {
   uint8_t w[WROWS][kScaleBytes];
 };
+// The epilogue's staging, per consumer warpgroup: h of 32 tokens x 64 columns. The wide tile has
+// no room for it beside its ring and stages it in the token rows of the tile's last slot, once
+// both warpgroups' wgmma have read them (consume_tile).
+constexpr int kEpiFloats = kEpiTokens * kEpiStride;
+template <int kTok>
+constexpr bool kEpiInSlot = kTok == kBf16WideTileTokens;
+template <int kTok, bool kInSlot = kEpiInSlot<kTok>>
+struct EpiStaging {
+  float f[2][kEpiFloats];
+};
+template <int kTok>
+struct EpiStaging<kTok, true> {};
 template <int kTok>
 struct Shared {
   Stage<kTok> s[kStages<kTok>];
   ScaleStage scales[2];
-  float epi[2][kEpiTokens * kEpiStride];  // per consumer warpgroup: h of 32 tokens x 64 columns
+  EpiStaging<kTok> epi;
   uint64_t loaded[kStages<kTok>], empty[kStages<kTok>], scales_loaded[2], scales_empty[2];
 };
+static_assert(sizeof(Stage<kBf16WideTileTokens>::x) >= 2 * kEpiFloats * sizeof(float),
+              "the wide tile's staging fits a slot's token rows");
 // + the worst alignment pad: dynamic shared memory starts 16-byte aligned at least
 template <int kTok>
 constexpr int kSmemBytes = int(sizeof(Shared<kTok>)) + 1024 - 16;
-static_assert(kSmemBytes<kBf16TileTokens> + int(sizeof(int32_t)) * (kMaxExperts + 1) <=
-                      227 * 1024 &&
-                  kSmemBytes<kBf16SmallTileTokens> + int(sizeof(int32_t)) * (kMaxExperts + 1) <=
-                      227 * 1024,
+template <int kTok>
+constexpr bool kFits =
+    kSmemBytes<kTok> + int(sizeof(int32_t)) * (kMaxExperts + 1) <= 227 * 1024;
+static_assert(kFits<kBf16TileTokens> && kFits<kBf16WideTileTokens> && kFits<kBf16SmallTileTokens>,
               "shared memory of one CTA (dynamic + the scheduler's static prefix)");
+
+// Consumer warpgroup cw's staging for the epilogue of a tile whose last stage sat in `slot`.
+template <int kTok>
+__device__ __forceinline__ float* epi_staging(Shared<kTok>& sh, int slot, int cw) {
+  if constexpr (kEpiInSlot<kTok>) return reinterpret_cast<float*>(sh.s[slot].x) + cw * kEpiFloats;
+  else return sh.epi.f[cw];
+}
 
 // The two GEMMs of the layer on this kernel (kSwiglu): GEMM1, output columns = g.I, weight rows
 // 2I per expert (gate rows, then up rows), SwiGLU; and GEMM2 (false), output columns = g.I (the
@@ -250,6 +280,9 @@ struct RingPosition {
 __device__ __forceinline__ void consumer_barrier(int cw) {  // one consumer warpgroup
   asm volatile("bar.sync %0, 128;" ::"r"(2 + cw) : "memory");
 }
+__device__ __forceinline__ void consumers_barrier() {  // both consumer warpgroups
+  asm volatile("bar.sync 4, 256;" ::: "memory");
+}
 
 // A warpgroup's fragments of one MX block: [gate/up][k16 step][the 4 A registers].
 struct Frags {
@@ -400,14 +433,15 @@ __device__ __forceinline__ void store_columns(const Gemm1Args& g, const Tile& t,
                                               Value value, int64_t col0, int cw, int tid,
                                               int row_g, int tig) {
   constexpr int kPass = kTok < kEpiTokens ? kTok : kEpiTokens;  // tokens per pass
-  static_assert(kPass == 32, "128 threads: 32 tokens x 2 MX blocks x 2 halves");
+  static_assert(kPass == 32 && kTok % 8 == 0, "128 threads: 32 tokens x 2 MX blocks x 2 halves");
   // thread (blk, tok, half): 8 consecutive threads read 8 distinct 16-byte bank groups
   const int half = tid % 2, tok = tid / 2 % 32, blk = tid / 64;
 #pragma unroll
-  for (int pass = 0; pass < kTok / kPass; ++pass) {
+  for (int pass = 0; pass < (kTok + kPass - 1) / kPass; ++pass) {
     if (pass > 0 && t.rows <= pass * kPass) break;
 #pragma unroll
-    for (int j = 0; j < kPass / 8; ++j)
+    for (int j = 0; j < kPass / 8; ++j) {
+      if (pass * kPass + j * 8 >= kTok) break;  // the wide tile's last pass: 24 tokens
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -415,6 +449,7 @@ __device__ __forceinline__ void store_columns(const Gemm1Args& g, const Tile& t,
           const int i = pass * (kPass / 2) + j * 4 + 2 * h + c;
           epi[(j * 8 + 2 * tig + c) * kEpiStride + row_g + 8 * h] = value(i);
         }
+    }
     consumer_barrier(cw);
     float v[16];
 #pragma unroll
@@ -505,8 +540,12 @@ __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared<kTok>& s
   fence_frags(f1);
   fence_acc(gate);
   fence_acc(up);
-  release(&sh.empty[ring.previous_slot()]);
-  if (active) epilogue<kSwiglu, kTok>(g, t, sh.epi[cw], gate, up, cw, tid, row_g, tig);
+  const int last = ring.previous_slot();
+  if constexpr (kEpiInSlot<kTok>) consumers_barrier();  // no wgmma reads the slot's rows now
+  else release(&sh.empty[last]);
+  if (active)
+    epilogue<kSwiglu, kTok>(g, t, epi_staging(sh, last, cw), gate, up, cw, tid, row_g, tig);
+  if constexpr (kEpiInSlot<kTok>) release(&sh.empty[last]);  // the staging is free (its barrier)
 }
 
 // The kernel body of both GEMMs (kSwiglu: see SchedulerFor). maps: see Bf16RsMaps (kernels.h).
@@ -536,14 +575,14 @@ __device__ __forceinline__ void gemm_body(const Gemm1Args& g_in, const Bf16RsMap
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
 
   if (wg == 0) {
-    Registers::producer();
+    Registers<kTok>::producer();
     if (tid < kWarp)
       load_stages<kSwiglu, kTok>(g, sh, sched, &maps.xb, &maps.w, &maps.w_scales, tid);
     else transform_row_tiles(g, sched, tid - kWarp);
     return;
   }
 
-  Registers::consumer();
+  Registers<kTok>::consumer();
   const int cw = wg - 1, total = sched.total(g), num_k = int(g.H / KS);
   uint32_t consumed = 0;
   RingPosition<STAGES> ring;
@@ -575,22 +614,26 @@ cudaError_t load_sm90_mx_bf16_rs() {
   using namespace sm90_bf16;
   static std::atomic<uint64_t> loaded{0};
   return load_kernels_once(loaded, gemm_sm90_mx_bf16_rs<true, kBf16TileTokens>,
+                           gemm_sm90_mx_bf16_rs<true, kBf16WideTileTokens>,
                            gemm_sm90_mx_bf16_rs<true, kBf16SmallTileTokens>,
                            gemm_sm90_mx_bf16_rs<false, kBf16TileTokens>,
+                           gemm_sm90_mx_bf16_rs<false, kBf16WideTileTokens>,
                            gemm_sm90_mx_bf16_rs<false, kBf16SmallTileTokens>);
 }
 
 void launch_sm90_mx_bf16_rs(const Gemm1Args& g, const Bf16RsMaps& maps, int grid,
                             cudaStream_t stream, bool swiglu, int tile_tokens) {
   using namespace sm90_bf16;
-  const bool small = tile_tokens == kBf16SmallTileTokens;
-  if (swiglu) {
-    if (small) launch<true, kBf16SmallTileTokens>(g, maps, grid, stream);
-    else launch<true, kBf16TileTokens>(g, maps, grid, stream);
-  } else {
-    if (small) launch<false, kBf16SmallTileTokens>(g, maps, grid, stream);
-    else launch<false, kBf16TileTokens>(g, maps, grid, stream);
-  }
+  auto launch_width = [&](auto swiglu_tag) {
+    constexpr bool kSwiglu = decltype(swiglu_tag)::value;
+    if (tile_tokens == kBf16SmallTileTokens)
+      launch<kSwiglu, kBf16SmallTileTokens>(g, maps, grid, stream);
+    else if (tile_tokens == kBf16WideTileTokens)
+      launch<kSwiglu, kBf16WideTileTokens>(g, maps, grid, stream);
+    else launch<kSwiglu, kBf16TileTokens>(g, maps, grid, stream);
+  };
+  if (swiglu) launch_width(std::true_type{});
+  else launch_width(std::false_type{});
 }
 
 }  // namespace gemm1
