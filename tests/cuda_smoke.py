@@ -2,8 +2,9 @@
 once on odd sizes (T not a multiple of anything, I not a multiple of the column tiles), on each
 GEMM route: H = 224 (the mma.sync kernel, any H % 32 == 0), H = 256 (the fp8 warp-specialised
 kernel with TMA, H % 128 == 0), H = 512 (the bf16 wgmma kernel, H % 512 == 0 and I % 64 == 0) with
-a few rows per expert (its 32-token tile) and with hundreds (its 128-token tile; GEMM2 on the same
-kernel where I % 256 == 0), each with bf16 and MX-fp8 Stage1 output."""
+a few rows per expert (its 32-token tile), ~140 (most experts' last full tile and tail in its wide
+152-token tile) and hundreds (its 128-token tile; GEMM2 on the same kernel where I % 256 == 0),
+each with bf16 and MX-fp8 Stage1 output."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +23,8 @@ def put(a, dtype):
   return jax.device_put(jnp.asarray(a, dtype), gpu)
 
 
-CASES = ((37, 224, 96, 12, 3), (37, 256, 96, 12, 3), (37, 512, 192, 12, 3), (515, 512, 256, 4, 2))
+CASES = ((37, 224, 96, 12, 3), (37, 256, 96, 12, 3), (37, 512, 192, 12, 3), (281, 512, 256, 4, 2),
+         (515, 512, 256, 4, 2))
 for T, H, I, E, K in CASES:
   x = put(r.standard_normal((T, H)), jnp.bfloat16)
   ids = put(np.stack([r.permutation(E)[:K] for _ in range(T)]), jnp.int32)
