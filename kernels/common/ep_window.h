@@ -97,6 +97,18 @@ JSM_HD int64_t ep_meta_stride(int64_t H) {
 // Where source s's rows sit in destination d's staging (s != d): one region per peer.
 JSM_HD int64_t ep_stage_index(int64_t s, int64_t d) { return s < d ? s : s - 1; }
 
+// A source's run of rows for destination d in its send buffer (send order: destination, expert,
+// token), from its row counts of the plan, [R dst][EL] (count(i) reads entry i): the run's first
+// row (*start) and its rows (*n).
+template <class Count>
+JSM_HD void ep_send_run(Count count, int64_t EL, int64_t d, int64_t* start, int64_t* n) {
+  int64_t before = 0, rows = 0;
+  for (int64_t i = 0; i < d * EL; ++i) before += count(i);
+  for (int64_t e = 0; e < EL; ++e) rows += count(d * EL + e);
+  *start = before;
+  *n = rows;
+}
+
 JSM_HD int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
 // with_return: also the return regions of the combine (2 * send_rows * (2 H + 8) bytes more);

@@ -59,10 +59,9 @@ __global__ void __launch_bounds__(512)
   // this rank's own send run starts past its rows to the ranks before it
   __shared__ int64_t own_start;
   if (threadIdx.x == 0) {
-    int64_t n = 0;
-    for (int d = 0; d < me; ++d)
-      for (int e = 0; e < EL; ++e) n += __ldcg(segs.plan + int64_t(me) * R * EL + d * EL + e);
-    own_start = n;
+    const int32_t* mine = segs.plan + int64_t(me) * R * EL;
+    int64_t n;
+    ep_send_run([&](int64_t i) { return __ldcg(mine + i); }, EL, me, &own_start, &n);
   }
   __syncthreads();
   __shared__ ReceivedSegment seg;

@@ -171,16 +171,11 @@ std::string ce_peer_rows(cudaStream_t stream, const WindowSet& w, LocalRank& me,
   const int32_t* counts = me.h_plan + int64_t(rank) * R * EL;  // this rank's [R dst][EL]
   const uint8_t* send_meta = at<uint8_t>(me.own, L.send_meta);
   const auto started = std::chrono::steady_clock::now();
-  std::vector<int64_t> start(size_t(R) + 1, 0);  // each destination's run in the send buffer
-  for (int64_t d = 0; d < R; ++d) {
-    int64_t n = 0;
-    for (int64_t e = 0; e < EL; ++e) n += counts[d * EL + e];
-    start[size_t(d) + 1] = start[size_t(d)] + n;
-  }
   CopyBatch batch;
   for (int64_t j = 1; j < R; ++j) {
-    const int64_t d = (rank + j) % R, from = start[size_t(d)];
-    const int64_t n = start[size_t(d) + 1] - from;
+    const int64_t d = (rank + j) % R;
+    int64_t from, n;  // d's run in the send buffer
+    cuda::ep_send_run([&](int64_t i) { return counts[i]; }, EL, d, &from, &n);
     const int64_t region = cuda::ep_stage_index(rank, d) * w.g.send_rows;
     uint8_t* dst = me.peers.base[d];
     batch.add(at<uint8_t>(dst, L.stage_values[p]) + region * H, a.values + from * H,
@@ -215,10 +210,8 @@ std::string ce_return_rows(cudaStream_t st, const WindowSet& w, LocalRank& me, u
     uint8_t* dst = me.peers.base[s];
     if (s != rank) {
       const int32_t* counts = me.h_plan + s * R * EL;  // s's [R dst][EL]
-      int64_t start = 0, n = 0;
-      for (int64_t d = 0; d < rank; ++d)
-        for (int64_t e = 0; e < EL; ++e) start += counts[d * EL + e];
-      for (int64_t e = 0; e < EL; ++e) n += counts[rank * EL + e];
+      int64_t start, n;
+      cuda::ep_send_run([&](int64_t i) { return counts[i]; }, EL, rank, &start, &n);
       const int64_t from = cuda::ep_stage_index(s, rank) * w.g.send_rows;
       batch.add(at<uint16_t>(dst, L.ret_rows[q]) + start * H,
                 at<uint16_t>(me.own, L.ret_stage_rows) + from * H, size_t(n * H) * 2);

@@ -189,30 +189,22 @@ __global__ void __launch_bounds__(512) ep_place_kernel(const EpArgs a) {
 // rank's §4 layout (expert offsets and counts, rows, overflow). absent: this rank takes no part
 // (fault injection): no rows, no wait.
 __global__ void ep_layout_kernel(const EpArgs a, LandedView out, bool absent) {
-  extern __shared__ int32_t smem[];  // totals[EL], offsets[EL], counts[EL], dropped
-  const int R = int(a.g.R), EL = int(a.g.EL);
-  int32_t* totals = smem;
-  int32_t* offsets = smem + EL;
-  int32_t* counts = smem + 2 * EL;
+  extern __shared__ int32_t smem[];  // ReceivedSegments: 3 * EL + 1
+  const int EL = int(a.g.EL);
   const uint32_t epoch = absent ? 0 : call_epoch(a);
   const bool plan_ok = !absent && wait_plan(a, epoch);
-  const int32_t* plan = at<const int32_t>(a.peers.base[a.rank], a.L.plan[epoch & 1]);
+  ReceivedSegments segs{at<const int32_t>(a.peers.base[a.rank], a.L.plan[epoch & 1]), int(a.g.R),
+                        EL, a.rank};
+  segs.build(smem, a.row_align, a.g.m_cap, plan_ok);  // no plan: nothing landed
   for (int e = threadIdx.x; e < EL; e += blockDim.x) {
-    int32_t sum = 0;
-    for (int s = 0; s < R && plan_ok; ++s) sum += __ldcg(plan + int64_t(s) * R * EL + a.rank * EL + e);
-    totals[e] = sum;
-  }
-  __syncthreads();
-  landing_layout_smem(totals, EL, a.row_align, a.g.m_cap, offsets, counts, counts + EL);
-  int32_t rows = 0;
-  for (int e = threadIdx.x; e < EL; e += blockDim.x) {
-    out.expert_offsets[e] = offsets[e];
-    out.expert_counts[e] = counts[e];
+    out.expert_offsets[e] = segs.offsets[e];
+    out.expert_counts[e] = segs.counts[e];
   }
   if (threadIdx.x == 0) {
-    for (int e = 0; e < EL; ++e) rows += counts[e];
+    int32_t rows = 0;
+    for (int e = 0; e < EL; ++e) rows += segs.counts[e];
     *out.num_rows = rows;
-    *out.overflow = counts[EL];
+    *out.overflow = segs.counts[EL];
   }
 }
 

@@ -31,14 +31,15 @@ struct ReceivedSegments {
     return __ldcg(plan + int64_t(s) * R * EL + int64_t(me) * EL + e);
   }
 
-  // Every thread of the block: the landing layout (DESIGN.md §4) into shared memory.
-  __device__ void build(int32_t* smem, int64_t row_align, int64_t m_cap) {
+  // Every thread of the block: the landing layout (DESIGN.md §4) into shared memory (with
+  // `landed` false: of no rows, the plan not being there).
+  __device__ void build(int32_t* smem, int64_t row_align, int64_t m_cap, bool landed = true) {
     int32_t* totals = smem;
     offsets = smem + EL;
     counts = smem + 2 * EL;
     for (int e = threadIdx.x; e < EL; e += blockDim.x) {
       int32_t sum = 0;
-      for (int s = 0; s < R; ++s) sum += count(s, e);
+      for (int s = 0; s < R && landed; ++s) sum += count(s, e);
       totals[e] = sum;
     }
     __syncthreads();

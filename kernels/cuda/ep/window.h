@@ -16,6 +16,7 @@ namespace cuda {
 using jsm::align_up;
 using jsm::at;
 using jsm::ep_meta_stride;
+using jsm::ep_send_run;
 using jsm::ep_stage_index;
 using jsm::ep_window_layout;
 using jsm::epoch_reached;

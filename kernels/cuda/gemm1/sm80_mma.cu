@@ -255,15 +255,17 @@ __global__ void __launch_bounds__(THREADS, 1) sm80_mma_kernel(const Gemm1Args g_
   }
 }
 
+using LaunchedCfg = Cfg<KB, 4>;  // the configuration launched
+
 }  // namespace sm80
 
 cudaError_t load_sm80_mma() {
   static std::atomic<uint64_t> loaded{0};
-  return load_kernels_once(loaded, sm80::sm80_mma_kernel<sm80::Cfg<KB, 4>>);
+  return load_kernels_once(loaded, sm80::sm80_mma_kernel<sm80::LaunchedCfg>);
 }
 
 void launch_sm80_mma(const Gemm1Args& g, int grid, cudaStream_t stream) {
-  using C = sm80::Cfg<KB, 4>;
+  using C = sm80::LaunchedCfg;
   auto kernel = sm80::sm80_mma_kernel<C>;
   // per call: the attribute belongs to the current device's context
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
