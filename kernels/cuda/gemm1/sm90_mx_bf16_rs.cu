@@ -64,8 +64,8 @@ constexpr int kEpiTokens = 32;  // tokens per pass through the epilogue's stagin
 // Registers per thread of the producer and the consumer warpgroups (the wide tile's consumers hold
 // 24 accumulators more).
 template <int kTok>
-using Registers =
-    std::conditional_t<kTok == kBf16WideTileTokens, WsRegisterSplit<72, 216>, WsRegisterSplit<88, 208>>;
+using Registers = std::conditional_t<kTok == kBf16WideTileTokens, WsRegisterSplit<72, 216>,
+                                     WsRegisterSplit<88, 208>>;
 constexpr int kTransformThreads = 96;  // warps 1-3 of the producer warpgroup
 // The transform's work items: quarters (kChunks) of a row tile's H (transform_row_tiles).
 constexpr int kChunks = 4;
