@@ -81,7 +81,7 @@ std::string launch_bf16_route(Gemm1Args g, int64_t weight_rows, int grid,
                          {kTailRows, kBf16SmallTileTokens}};
   const bool large = tile_tokens == kBf16TileTokens;
   const Part* parts = large ? split : all;
-  for (int i = 0; i < (large ? 3 : 1); ++i) {
+  for (int i = 0; i < (large ? 3 : 1) && err.empty(); ++i) {
     const Part& part = parts[i];
     g.row_part = part.rows;
     err = tensor_map(&maps.xb, g.xb, 2 * g.H, g.m_cap, part.tokens, 128);
