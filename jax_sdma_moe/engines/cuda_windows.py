@@ -18,7 +18,8 @@ def fused_gemm1_ok(hidden: int, row_align: int) -> bool:
 
 class CudaWindowEngine(WindowEngine):
   platforms = ("cuda",)
-  # the thread blocks of the engine's own kernel (SMs the fused GEMM leaves to it): a subclass's
+  # the thread blocks of the engine's own kernel (SMs the fused GEMM leaves to it): each
+  # subclass's property, from its Stage1Config field
   _kernel_blocks: int
 
   @classmethod

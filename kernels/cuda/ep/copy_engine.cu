@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstring>
 #include <thread>
+#include <vector>
 
 #include "kernels/cuda/launch_util.h"
 

@@ -6,7 +6,6 @@
 
 #include <chrono>
 #include <string>
-#include <vector>
 
 #include "kernels/common/options.h"
 #include "kernels/cuda/ep/args.h"
