@@ -48,8 +48,11 @@ GUARD=("bash" "$REPO/bench/device/idle_guard.sh" 60)
 RUN=ab
 for ((k = 2; ; k++)); do compgen -G "$OUT/$RUN-1-*" > /dev/null || break; RUN=ab$k; done
 pristine=$(mktemp -d)
-cp -a kernels ffi jax_sdma_moe "$pristine"/
-restore() { rm -rf kernels ffi jax_sdma_moe && cp -a "$pristine"/{kernels,ffi,jax_sdma_moe} .; }
+# what a variant's patches may change (tests too: a patch that brings its test must apply again
+# in a second run of the same device call)
+SOURCES=(kernels ffi jax_sdma_moe tests)
+cp -a "${SOURCES[@]}" "$pristine"/
+restore() { rm -rf "${SOURCES[@]}" && for d in "${SOURCES[@]}"; do cp -a "$pristine/$d" .; done; }
 TABLE=()
 n=0
 rm -rf build  # one clean build (see common.sh build), then incremental ones
