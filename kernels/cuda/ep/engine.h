@@ -46,7 +46,7 @@ struct HostStats {
   // Both engines, fused calls (dispatch + GEMM) outside CUDA graphs: the device-side timeline of
   // the calls counted (timed_calls; first_chunk_calls: those with engine ce's first-chunk mark),
   // totals of µs after the dispatch's start on XLA's stream until that stream reached the GEMM
-  // and left it, the side stream was done, and (ce) the first chunk of peers' copies had landed.
+  // and left it, the side stream was done, and (ce) the first peer's copies had landed.
   uint64_t timed_calls, first_chunk_calls;
   double gemm_start_us, gemm_end_us, side_end_us, first_chunk_us;
 };

@@ -23,7 +23,7 @@ namespace ep {
 // the rank's next call, once they have completed): the dispatch's start on XLA's stream; XLA's
 // stream reaching the fused GEMM (every earlier step of the dispatch done: for ce the plan's host
 // wait and the own copies) and leaving it; the side stream done (ce: the peers' copies; sm: its
-// kernel); ce: the first chunk of peers' copies landed.
+// kernel); ce: the first peer's copies landed.
 enum Mark { kStart, kGemmStart, kGemmEnd, kSideEnd, kFirstChunk, kMarks };
 
 struct RankStats {  // written by the rank's calls, read by host_stats() from another thread
