@@ -155,7 +155,26 @@ std::string gemm_on_slot(const jsm::ep::SlotView& slot, void* stream, void* ctx)
                                         fused.opt);
 }
 
-// dispatch + gemm1 in one call (engines ce, sm): the GEMM overlaps the row copies.
+// Engine local's dispatch + gemm1 (R = 1): the layout kernel, then the bf16 GEMM reading each
+// expert's rows straight from the send buffer (Gemm1Args::send_counts), so no copy of the rows
+// (0.3-0.45 ms at dsv3 4096-8192 tokens, docs/PERF.md §2) sits in front of the GEMM.
+ffi::Error local_dispatch_gemm1(cudaStream_t stream, const jsm::SendView& send, int EL, int64_t H,
+                                const jsm::LandedView& out, const jsm::DispatchOptions& opt,
+                                FusedGemm& fused) {
+  Gemm1Args& g = fused.g;
+  if (g.xb == nullptr)
+    return ffi::Error::InvalidArgument(
+        "jax_sdma_moe dispatch_gemm1 (CUDA): engine 'local' fuses only where the bf16 GEMM runs "
+        "(H % 512 == 0, I % 64 == 0); use dispatch then gemm1");
+  g.a = send.values;
+  g.a_scales = send.scales;
+  g.send_counts = send.counts;
+  jsm::gpu::launch_dispatch_local(send, EL, H, g.m_cap, opt.row_align, out, stream);
+  JSM_RETURN_IF_ERROR(last_error("dispatch_gemm1 layout"));
+  return launch_error(jsm::cuda::gemm1::launch_gemm1(g, jsm::cuda::num_sms(), stream, fused.opt));
+}
+
+// dispatch + gemm1 in one call: engines ce, sm (the GEMM overlaps the row copies), local.
 ffi::Error DispatchGemm1Impl(cudaStream_t stream, ffi::AnyBuffer values, ffi::AnyBuffer scales,
                              S32Vec token, S32Vec slot, F32Vec weight, S32Mat send_counts,
                              S32Scalar rank, ffi::AnyBuffer w_values, ffi::AnyBuffer w_scales,
@@ -165,12 +184,17 @@ ffi::Error DispatchGemm1Impl(cudaStream_t stream, ffi::AnyBuffer values, ffi::An
                              ffi::Result<S32Scalar> num_rows, ffi::Result<S32Scalar> overflow,
                              ffi::RemainingRets rets, jsm::DispatchOptions opt,
                              jsm::Gemm1Options gemm_opt) {
-  if (opt.engine != EngineId::kCe && opt.engine != EngineId::kSm)
-    return jsm::handler::wrong_engine("dispatch_gemm1 (CUDA)", opt.engine, "engines ce and sm");
+  if (opt.engine != EngineId::kCe && opt.engine != EngineId::kSm && opt.engine != EngineId::kLocal)
+    return jsm::handler::wrong_engine("dispatch_gemm1 (CUDA)", opt.engine,
+                                      "engines local, ce and sm");
   JSM_RETURN_IF_ERROR(check_dtype(values, ffi::DataType::F8E4M3FN, "dispatch_gemm1 rows"));
   const int64_t H = last_dim(values), cap = src_rank->dimensions()[0];
+  const bool local = opt.engine == EngineId::kLocal;
+  if (local && send_counts.dimensions()[0] != 1)
+    return ffi::Error::InvalidArgument(
+        "jax_sdma_moe dispatch_gemm1 (CUDA): engine 'local' moves rows within one GPU only (R = 1)");
   // before the dispatch's first kernel: its kernels spin beside the GEMM's launch
-  const std::string loaded = jsm::cuda::gemm1::load_gemm_kernels();
+  const std::string loaded = local ? "" : jsm::cuda::gemm1::load_gemm_kernels();
   if (!loaded.empty()) return launch_error(loaded);
   FusedGemm fused{Gemm1Args{}, gemm_opt};
   fused.g.offsets = expert_offsets->typed_data();
@@ -182,6 +206,7 @@ ffi::Error DispatchGemm1Impl(cudaStream_t stream, ffi::AnyBuffer values, ffi::An
       jsm::gpu_handlers::send_view(values, scales, token, slot, weight, send_counts);
   const jsm::LandedView out = jsm::gpu_handlers::layout_view(
       src_rank, out_token, out_slot, out_weight, expert_offsets, expert_counts, num_rows, overflow);
+  if (local) return local_dispatch_gemm1(stream, send, int(geo.EL), H, out, opt, fused);
   return engine_error(jsm::ep::dispatch(stream, geo, send, out, opt, gemm_on_slot, &fused));
 }
 

@@ -57,11 +57,15 @@ def bf16_gemm_workspace(cap: int, depth: int, experts_per_rank: int, applies: bo
                                           jnp.uint32)
 
 
+def gemm1_bf16_applies(hidden: int, intermediate: int) -> bool:
+  """Whether CUDA's gemm1 is the bf16 kernel (kernels/cuda/gemm1/launch.cu launch_gemm1)."""
+  return hidden % 512 == 0 and intermediate % 64 == 0
+
+
 def gemm1_workspace(cap: int, hidden: int, intermediate: int, experts_per_rank: int):
-  """gemm1's: the bf16 kernel runs where hidden % 512 == 0 and intermediate % 64 == 0
-  (kernels/cuda/gemm1/launch.cu launch_gemm1)."""
+  """gemm1's: the bf16 kernel's where it runs (gemm1_bf16_applies)."""
   return bf16_gemm_workspace(cap, hidden, experts_per_rank,
-                             hidden % 512 == 0 and intermediate % 64 == 0)
+                             gemm1_bf16_applies(hidden, intermediate))
 
 
 def gemm2_workspace(cap: int, hidden: int, intermediate: int, experts_per_rank: int):

@@ -3,6 +3,7 @@
 Skips without a GPU. JSM_REQUIRE_CUDA=1 (set by the device scripts) turns a missing GPU or a
 build without CUDA kernels into a failure instead of a skip.
 """
+import functools
 import os
 
 import _util
@@ -15,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_sdma_moe as jsm
 from jax_sdma_moe import primitives, reference
+from jax_sdma_moe.engines.base import Engine
 from test_quantize import special_blocks
 
 
@@ -219,6 +221,48 @@ class CudaStage1Test(parameterized.TestCase):
     for platform, out in outs.items():
       with self.subTest(platform=platform):
         _util.check_stage1(self, jax.tree.map(lambda a: a[None], out), ref, h32, out_dtype)
+
+  @parameterized.parameters("bf16", "mxfp8")
+  def test_local_fused_reads_the_send_buffer(self, out_dtype):
+    """Where the bf16 GEMM runs, engine local fuses the dispatch into it: the GEMM reads each
+    expert's rows from its segment of the send buffer. With M_cap too small for every row (the
+    last experts' rows overflow) and masked ids: stage1 as the reference, and the fused call's
+    layout and h byte for byte those of the unfused form (the dispatch copying the rows, then
+    gemm1: Engine.dispatch_gemm1)."""
+    r = _util.rng()
+    H, I, E, K = _util.MID_LAYER
+    T = 1000
+    x, ids, w, w1q = _util.make_problem(r, 1, T, H, I, E, K, "masked")
+    mesh = jax.sharding.Mesh(np.array([GPU]), ("ep",))
+    cfg = jsm.Stage1Config(engine="local", out_dtype=out_dtype, max_recv_rows=3 * T)
+    cap = jsm.layout.m_cap(1, T, K, E, cfg.row_align, cfg.max_recv_rows)
+    args = on(GPU, (x, ids, w, w1q))
+    with jsm.Runtime(mesh, "ep", cfg) as rt:
+      def run(body):
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+        return f.lower(*args).as_text(), jax.tree.map(np.asarray, f(*args))
+
+      def parts(dispatch_gemm1):
+        def body(x, i, w, q):
+          route = primitives.route(i, 1, E)
+          send = primitives.qpack(x, w, route.send_pos)
+          landed, h = dispatch_gemm1(send, route.send_counts, jnp.int32(0), q, cap=cap)
+          return landed._replace(values=None, scales=None), h
+        return body
+
+      text, out = run(lambda x, i, w, q: jsm.stage1(x, (i, w), q, runtime=rt))
+      self.assertNotIn("@jsm_dispatch(", text)
+      self.assertIn("@jsm_dispatch_gemm1(", text)
+      self.assertGreater(int(out.overflow), 0, "no row overflowed")
+      ref, h32 = _util.reference(x, ids, w, w1q, 1, cfg, T)
+      _util.check_stage1(self, jax.tree.map(lambda a: a[None], out), ref, h32, out_dtype)
+      got = {}
+      for fused, fn in ((True, rt.engine.dispatch_gemm1),
+                        (False, functools.partial(Engine.dispatch_gemm1, rt.engine))):
+        text, got[fused] = run(parts(fn))
+        self.assertEqual("@jsm_dispatch(" in text, not fused)
+    for a, b in zip(jax.tree.leaves(got[True]), jax.tree.leaves(got[False]), strict=True):
+      np.testing.assert_array_equal(_util.as_bytes(a), _util.as_bytes(b))
 
   def test_xla_engine_matches_local(self):
     """engine xla (ragged_all_to_all on GPU) lands the same bytes as engine local (R = 1)."""

@@ -94,7 +94,8 @@ class Stage1Test(parameterized.TestCase):
   def test_cuda_lowering_has_the_gemm1_workspace(self, out_dtype, H, I):
     """Lowered for CUDA (no GPU needed), gemm1 has two scratch results after h (DESIGN §5): the
     bf16 rows [M_cap, 2H] and the row-tile flags where the bf16 kernel applies (H % 512 == 0,
-    I % 64 == 0), else two empty ones."""
+    I % 64 == 0), else two empty ones. Where it applies, engine local fuses the dispatch into it
+    (dispatch_gemm1 after the landed layout's 8 results; no dispatch call copies the rows)."""
     r = _util.rng()
     m = _util.mesh(1)
     T, E, K = 8, 4, 2
@@ -106,8 +107,12 @@ class Stage1Test(parameterized.TestCase):
           lowering_platforms=("cuda",)).as_text()
     cap = jsm.layout.m_cap(1, T, K, E, cfg.row_align)
     h_results = 1 if out_dtype == "bf16" else 2
-    call = next(line.strip() for line in text.splitlines() if "@jsm_gemm1(" in line)
-    self.assertRegex(call, rf"^%\w+:{h_results + 2} = stablehlo.custom_call @jsm_gemm1\(")
+    fused = jsm.layout.gemm1_bf16_applies(H, I)
+    target, layout_results = ("jsm_dispatch_gemm1", 8) if fused else ("jsm_gemm1", 0)
+    self.assertEqual("@jsm_dispatch(" in text, not fused)
+    call = next(line.strip() for line in text.splitlines() if f"@{target}(" in line)
+    self.assertRegex(call, rf"^%\w+:{layout_results + h_results + 2} = "
+                     rf"stablehlo.custom_call @{target}\(")
     results = call.split("->")[-1]
     if H % 512 == 0:
       self.assertIn(f"tensor<{cap}x{2 * H}xui8>", results)

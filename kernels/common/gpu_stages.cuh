@@ -230,7 +230,10 @@ __global__ void pack_kernel(const uint16_t* x, const uint8_t* x_values, const ui
   }
 }
 
-// dispatch with R = 1: every landing row, landed or padding, written by one warp.
+// dispatch with R = 1: every landing row, landed or padding, written by one warp (kRows), or only
+// the layout and the rows' headers, one thread a row (!kRows: the fused GEMM of engine local
+// reads the rows from the send buffer).
+template <bool kRows>
 __global__ void dispatch_local_kernel(const uint8_t* values, const uint8_t* scales,
                                       const int32_t* token, const int32_t* slot,
                                       const float* weight, const int32_t* send_counts, int EL,
@@ -259,25 +262,28 @@ __global__ void dispatch_local_kernel(const uint8_t* values, const uint8_t* scal
     }
   }
   __syncthreads();
-  const int lane = threadIdx.x % kWarp;
+  constexpr int kThreadsPerRow = kRows ? kWarp : 1;
+  const int lane = threadIdx.x % kThreadsPerRow;
   const int64_t HS = H / kBlock;
   const bool wide_scales = HS % 16 == 0 && reinterpret_cast<uintptr_t>(scales) % 16 == 0 &&
                            reinterpret_cast<uintptr_t>(out_scales) % 16 == 0;
-  for (int64_t r = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / kWarp; r < m_cap;
-       r += int64_t(gridDim.x) * blockDim.x / kWarp) {
+  for (int64_t r = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / kThreadsPerRow; r < m_cap;
+       r += int64_t(gridDim.x) * blockDim.x / kThreadsPerRow) {
     const int e = expert_of_row(offsets, counts, EL, r);
     const int64_t p = e < 0 ? -1 : seg_start[e] + (r - offsets[e]);
-    uint4* dst = reinterpret_cast<uint4*>(out_values + r * H);
-    const uint4* src = reinterpret_cast<const uint4*>(values + p * H);
-    const uint4 zero = make_uint4(0, 0, 0, 0);
-    for (int64_t c = lane; c < H / 16; c += kWarp) dst[c] = p < 0 ? zero : src[c];
-    if (wide_scales) {  // 16 bytes a lane, not 1
-      uint4* sdst = reinterpret_cast<uint4*>(out_scales + r * HS);
-      const uint4* ssrc = reinterpret_cast<const uint4*>(scales + p * HS);
-      for (int64_t c = lane; c < HS / 16; c += kWarp) sdst[c] = p < 0 ? zero : ssrc[c];
-    } else {
-      for (int64_t c = lane; c < HS; c += kWarp)
-        out_scales[r * HS + c] = p < 0 ? 0 : scales[p * HS + c];
+    if constexpr (kRows) {
+      uint4* dst = reinterpret_cast<uint4*>(out_values + r * H);
+      const uint4* src = reinterpret_cast<const uint4*>(values + p * H);
+      const uint4 zero = make_uint4(0, 0, 0, 0);
+      for (int64_t c = lane; c < H / 16; c += kWarp) dst[c] = p < 0 ? zero : src[c];
+      if (wide_scales) {  // 16 bytes a lane, not 1
+        uint4* sdst = reinterpret_cast<uint4*>(out_scales + r * HS);
+        const uint4* ssrc = reinterpret_cast<const uint4*>(scales + p * HS);
+        for (int64_t c = lane; c < HS / 16; c += kWarp) sdst[c] = p < 0 ? zero : ssrc[c];
+      } else {
+        for (int64_t c = lane; c < HS; c += kWarp)
+          out_scales[r * HS + c] = p < 0 ? 0 : scales[p * HS + c];
+      }
     }
     if (lane == 0) {
       src_rank[r] = p < 0 ? -1 : 0;
@@ -344,12 +350,22 @@ void launch_pack(bool quantize, const PackArgs& a, Stream stream) {
         a.token, a.slot, a.weight);
 }
 
+template <bool kRows>
+void launch_dispatch_local_kernel(const SendView& send, int EL, int64_t H, int64_t m_cap,
+                                  int64_t row_align, const LandedView& out, Stream stream) {
+  dispatch_local_kernel<kRows>
+      <<<grid_for(m_cap, kRows ? 8 : 256), 256, (3 * EL + 1) * sizeof(int32_t), stream>>>(
+          send.values, send.scales, send.token, send.slot, send.weight, send.counts, EL, H,
+          m_cap, row_align, out.values, out.scales, out.src_rank, out.token, out.slot,
+          out.weight, out.expert_offsets, out.expert_counts, out.num_rows, out.overflow);
+}
+
 void launch_dispatch_local(const SendView& send, int EL, int64_t H, int64_t m_cap,
                            int64_t row_align, const LandedView& out, Stream stream) {
-  dispatch_local_kernel<<<grid_for(m_cap, 8), 256, (3 * EL + 1) * sizeof(int32_t), stream>>>(
-      send.values, send.scales, send.token, send.slot, send.weight, send.counts, EL, H, m_cap,
-      row_align, out.values, out.scales, out.src_rank, out.token, out.slot, out.weight,
-      out.expert_offsets, out.expert_counts, out.num_rows, out.overflow);
+  if (out.values != nullptr)
+    launch_dispatch_local_kernel<true>(send, EL, H, m_cap, row_align, out, stream);
+  else
+    launch_dispatch_local_kernel<false>(send, EL, H, m_cap, row_align, out, stream);
 }
 
 void launch_zero_padding_rows(const int32_t* expert_offsets, const int32_t* expert_counts, int EL,

@@ -43,7 +43,8 @@ struct PackArgs {
 void launch_pack(bool quantize, const PackArgs& a, Stream stream);
 
 // dispatch with R = 1 (engine local): every landing row of `out` (its §4 layout from send.counts,
-// EL experts).
+// EL experts); with out.values null only the layout and the rows' headers (engine local's fused
+// GEMM reads the rows from the send buffer).
 void launch_dispatch_local(const SendView& send, int EL, int64_t H, int64_t m_cap,
                            int64_t row_align, const LandedView& out, Stream stream);
 

@@ -236,19 +236,20 @@ __device__ __forceinline__ void transform_row_tiles(const Gemm1Args& g, const Sc
     const Tile tile = sched.row_tile(g, rt);
     const int s0 = chunk * nks / kChunks, width = (chunk + 1) * nks / kChunks - s0;
     if (t < kWarp) Scheduler::wait_arrival(g, tile.e, ready, t);
+    const int64_t shift = Scheduler::source_shift(g, tile.e, t % kWarp) * g.H;
     transform_barrier();
     const int n = tile.rows * width;  // (row, stage) pairs i = r * width + stage - s0
     for (int i = t; i < n; i += kTransformThreads) {
       const int64_t row = tile.row0 + i / width;
       const int64_t at = row * g.H + int64_t(s0 + i % width) * KS;  // the stage's first element
-      const uint4* src = reinterpret_cast<const uint4*>(g.a + at);
+      const uint4* src = reinterpret_cast<const uint4*>(g.a + shift + at);
       uint4 in[4][2];
       uint32_t e[4];
 #pragma unroll
       for (int b = 0; b < 4; ++b) {
         in[b][0] = src[2 * b];
         in[b][1] = src[2 * b + 1];
-        e[b] = g.a_scales[at / kBlock + b];
+        e[b] = g.a_scales[(shift + at) / kBlock + b];
       }
       upcast_stage(in, e, g.xb + at * 2);
     }
