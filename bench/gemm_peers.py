@@ -24,6 +24,8 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from bench.timing import sustained
+
 PEERS = ("torch-bf16", "torch-fp8", "triton-mx", "torch-dense")  # --skip-peers names
 GROUPED = ("torch-bf16", "torch-fp8")
 REL_TOL = 1e-2   # a peer's relative error against float64 beyond this: a wrong result
@@ -86,10 +88,19 @@ def parse_skip(text: Optional[str]) -> tuple:
   return PEERS if "all" in names else tuple(names)
 
 
-def measure(problem: Problem, device, copy_gbps: float, iters: int, warmup: int,
+class Timing(NamedTuple):
+  """How cuda_ms times a peer: `iters` calls after `warmup`; with sustain_s > 0 also that many
+  seconds of calls back to back (timing.sustained: the steady state at the power limit)."""
+  iters: int
+  warmup: int
+  sustain_s: float = 0.0
+
+
+def measure(problem: Problem, device, copy_gbps: float, timing: Timing,
             skip: Sequence[str] = (), seed: int = 0, skip_why: str = "--skip-peers") -> dict:
   """Every peer not in `skip` on `device` (a jax Device; CUDA GPUs only): {"problem", "floor",
-  "results": {peer: {"ms", "min_ms", "tflops", "rel_err", "how"} | {"skipped"} | {"failed"}}}."""
+  "results": {peer: {"ms", "min_ms", "tflops", "rel_err", "how"[, "sustained"]} | {"skipped"} |
+  {"failed"}}}."""
   results = {name: {"skipped": skip_why} for name in PEERS if name in skip}
   todo = [name for name in PEERS if name not in skip]
   torch, why = _load_torch(device) if todo else (None, None)
@@ -98,7 +109,7 @@ def measure(problem: Problem, device, copy_gbps: float, iters: int, warmup: int,
   else:
     dev = torch.device("cuda", device.local_hardware_id)
     for name in todo:
-      results[name] = _run_peer(torch, name, problem, dev, iters, warmup, seed)
+      results[name] = _run_peer(torch, name, problem, dev, timing, seed)
   return {"problem": {"rows": problem.rows, "experts": len(problem.counts),
                       "experts_with_rows": sum(1 for c in problem.counts if c),
                       "hidden": problem.hidden, "two_i": problem.two_i},
@@ -118,13 +129,13 @@ def _load_torch(device):
   return torch, None
 
 
-def _run_peer(torch, name: str, problem: Problem, dev, iters: int, warmup: int, seed: int) -> dict:
+def _run_peer(torch, name: str, problem: Problem, dev, timing: Timing, seed: int) -> dict:
   run = {"torch-bf16": _torch_bf16, "torch-fp8": _torch_fp8, "triton-mx": _triton_mx,
          "torch-dense": _torch_dense}[name]
   gen = torch.Generator(device=dev).manual_seed(seed)
   try:
     with torch.cuda.device(dev):
-      result = run(torch, problem, dev, gen, iters, warmup)
+      result = run(torch, problem, dev, gen, timing)
     if "ms" in result:
       result["tflops"] = problem.flops / (result["ms"] * 1e-3) / 1e12
       if not result["rel_err"] <= REL_TOL:  # NaN too
@@ -139,9 +150,11 @@ def _run_peer(torch, name: str, problem: Problem, dev, iters: int, warmup: int, 
     torch.cuda.empty_cache()  # the memory back, for the next peer and for JAX's next allocations
 
 
-def cuda_ms(torch, fn: Callable, iters: int, warmup: int) -> dict:
+def cuda_ms(torch, fn: Callable, timing: Timing) -> dict:
   """fn's calls timed with CUDA events on the current stream: median and min ms of `iters` calls
-  (enqueued back to back) after `warmup` untimed ones."""
+  (enqueued back to back) after `warmup` untimed ones; with timing.sustain_s, "sustained"
+  (bench/timing.py sustained)."""
+  iters, warmup = timing.iters, timing.warmup
   for _ in range(warmup):
     fn()
   events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -152,7 +165,11 @@ def cuda_ms(torch, fn: Callable, iters: int, warmup: int) -> dict:
     end.record()
   torch.cuda.synchronize()
   ms = np.array([start.elapsed_time(end) for start, end in events])
-  return {"ms": float(np.median(ms)), "min_ms": float(ms.min())}
+  result = {"ms": float(np.median(ms)), "min_ms": float(ms.min())}
+  if timing.sustain_s > 0:
+    result["sustained"] = sustained(fn, lambda _: torch.cuda.synchronize(), timing.sustain_s,
+                                    torch.cuda.current_device())
+  return result
 
 
 def _need(torch, dev, nbytes: int) -> None:
@@ -198,7 +215,7 @@ def _offsets(torch, problem: Problem, dev):
   return torch.tensor(np.cumsum(problem.counts), dtype=torch.int32, device=dev)
 
 
-def _torch_bf16(torch, p: Problem, dev, gen, iters, warmup) -> dict:
+def _torch_bf16(torch, p: Problem, dev, gen, timing: Timing) -> dict:
   E, M = len(p.counts), p.rows
   _need(torch, dev, 2 * (E * p.two_i * p.hidden + M * (p.hidden + p.two_i)))
   w = _randn(torch, (E, p.two_i, p.hidden), torch.bfloat16, dev, gen)
@@ -209,11 +226,11 @@ def _torch_bf16(torch, p: Problem, dev, gen, iters, warmup) -> dict:
     return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs, out_dtype=torch.bfloat16)
 
   err = _grouped_check(torch, p, call(), lambda r: x[r].double(), lambda e: w[e].double())
-  return {**cuda_ms(torch, call, iters, warmup), "rel_err": err,
+  return {**cuda_ms(torch, call, timing), "rel_err": err,
           "how": "torch._grouped_mm(x [M, H] bf16, w [E, 2I, H].transpose(-2, -1), offs int32)"}
 
 
-def _torch_fp8(torch, p: Problem, dev, gen, iters, warmup) -> dict:
+def _torch_fp8(torch, p: Problem, dev, gen, timing: Timing) -> dict:
   E, M = len(p.counts), p.rows
   f8 = torch.float8_e4m3fn
   _need(torch, dev, E * p.two_i * p.hidden + M * (p.hidden + 2 * p.two_i))
@@ -229,18 +246,18 @@ def _torch_fp8(torch, p: Problem, dev, gen, iters, warmup) -> dict:
 
   err = _grouped_check(torch, p, call(), lambda r: x[r].double() * scale_a[r, None].double(),
                        lambda e: w[e].double() * scale_b[e, :, None].double())
-  return {**cuda_ms(torch, call, iters, warmup), "rel_err": err,
+  return {**cuda_ms(torch, call, timing), "rel_err": err,
           "how": "torch._scaled_grouped_mm(x [M, H] e4m3, w [E, 2I, H].transpose(-2, -1), "
                  "scale_a [M] f32, scale_b [E, 2I] f32, offs int32)"}
 
 
-def _torch_dense(torch, p: Problem, dev, gen, iters, warmup) -> dict:
+def _torch_dense(torch, p: Problem, dev, gen, timing: Timing) -> dict:
   a = torch.randn((p.rows, p.hidden), dtype=torch.bfloat16, device=dev, generator=gen)
   b = torch.randn((p.two_i, p.hidden), dtype=torch.bfloat16, device=dev, generator=gen)
   out = a @ b.T
   n = min(CHECK_ROWS, p.rows)
   err = _rel_err(torch, out[:n], a[:n].double() @ b.double().T)
-  return {**cuda_ms(torch, lambda: a @ b.T, iters, warmup), "rel_err": err,
+  return {**cuda_ms(torch, lambda: a @ b.T, timing), "rel_err": err,
           "how": "a [M, H] bf16 @ b [2I, H].T (cuBLAS)"}
 
 
@@ -306,7 +323,7 @@ def mx_dequant(torch, v, s):
   return v.double() * scale
 
 
-def _triton_mx(torch, p: Problem, dev, gen, iters, warmup) -> dict:
+def _triton_mx(torch, p: Problem, dev, gen, timing: Timing) -> dict:
   try:
     _mx_kernel()
   except ImportError as e:
@@ -320,7 +337,7 @@ def _triton_mx(torch, p: Problem, dev, gen, iters, warmup) -> dict:
   tried, errors = {}, {}
   for tile in TRITON_TILES:  # a quick timing of each tile, then the best one timed in full
     try:
-      tried[tile] = cuda_ms(torch, lambda: mx_gemm(torch, a, sa, b, sb, tile), 3, 1)["ms"]
+      tried[tile] = cuda_ms(torch, lambda: mx_gemm(torch, a, sa, b, sb, tile), Timing(3, 1))["ms"]
     except Exception as e:  # noqa: BLE001  too much shared memory, K not a multiple, ...
       errors[tile] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:100]}"
   if not tried:
@@ -329,7 +346,7 @@ def _triton_mx(torch, p: Problem, dev, gen, iters, warmup) -> dict:
   n = min(CHECK_ROWS, M)
   err = _rel_err(torch, mx_gemm(torch, a[:n], sa[:n], b, sb, best),
                  mx_dequant(torch, a[:n], sa[:n]) @ mx_dequant(torch, b, sb).T)
-  return {**cuda_ms(torch, lambda: mx_gemm(torch, a, sa, b, sb, best), iters, warmup),
+  return {**cuda_ms(torch, lambda: mx_gemm(torch, a, sa, b, sb, best), timing),
           "rel_err": err, "tile": list(best),
           "tiles_ms": {"x".join(map(str, t)): ms for t, ms in tried.items()},
           "tiles_failed": {"x".join(map(str, t)): why for t, why in errors.items()},

@@ -27,7 +27,7 @@ from bench.natives import NativeOut, native_paths
 from bench.paths import STAGES, BenchPath, engine_paths, engine_stats
 from bench.processes import (RUN_FAILURES, CheckError, all_processes, local_ranks, progress,
                              same_outcome, slowest, to_host)
-from bench.timing import add_rates, dense_bf16_matmul, first_call, time_calls
+from bench.timing import add_rates, dense_bf16_matmul, first_call, sustained, time_calls
 from bench.trace import kernel_table
 
 REFERENCE_PATH = "native:jnp-reference(1 dev)"
@@ -239,17 +239,19 @@ def device_config(args, skip: set, mesh, shape: jsm.MoEShape, T: int, weights: t
                      dense_bf16_gflops=dense["gflops"], gemm1_peers=peers)
 
 
-def measure_peers(args, device, shape: jsm.MoEShape, counts, ceilings: dict) -> dict:
-  """gemm1's peers on `counts` rows per local expert (gemm_peers.measure); in a multi-process run
-  only the floor (each process would measure its own GPU)."""
+def measure_peers(args, device, shape: jsm.MoEShape, counts, ceilings: dict,
+                  sustain_s: float = 0.0) -> dict:
+  """gemm1's peers on `counts` rows per local expert (gemm_peers.measure; sustain_s: also their
+  steady state, as --sustain); in a multi-process run only the floor (each process would measure
+  its own GPU)."""
   problem = gemm_peers.Problem(shape.hidden, 2 * shape.intermediate,
                                tuple(int(c) for c in counts))
   if jax.process_count() > 1:
     skip, why = gemm_peers.PEERS, "multi-process run (a GPU per process)"
   else:
     skip, why = gemm_peers.parse_skip(args.skip_peers), "--skip-peers"
-  return gemm_peers.measure(problem, device, ceilings["copy_gbps"], args.iters, args.warmup, skip,
-                            args.seed, why)
+  timing = gemm_peers.Timing(args.iters, args.warmup, sustain_s)
+  return gemm_peers.measure(problem, device, ceilings["copy_gbps"], timing, skip, args.seed, why)
 
 
 def gemm1_config(args, device, shape: jsm.MoEShape, rows: int, experts: int, ceilings: dict,
@@ -279,11 +281,15 @@ def gemm1_config(args, device, shape: jsm.MoEShape, rows: int, experts: int, cei
     t = time_calls(fn, (landed, w1q), args.iters, args.warmup)
     row["gemm1"] = {**t, "first_call_s": first_s,
                     "tflops": flops / (t["pipelined_ms"] * 1e-3) / 1e12}
+    if args.sustain > 0:
+      progress(f"{tag} gemm1: {args.sustain} s back to back")
+      row["gemm1"]["sustained"] = sustained(lambda: fn(landed, w1q), jax.block_until_ready,
+                                            args.sustain, device.local_hardware_id)
   except RUN_FAILURES as e:
     row.update(why_failed(e))
     progress(f"{tag} gemm1: FAILED: {row['failed']}")
   del landed, w1q
   jax.clear_caches()
   progress(f"{tag} gemm1 peers")
-  row["gemm1_peers"] = measure_peers(args, device, shape, counts, ceilings)
+  row["gemm1_peers"] = measure_peers(args, device, shape, counts, ceilings, args.sustain)
   return row

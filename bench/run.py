@@ -132,6 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
                  "evenly over "
                  "--experts local experts; an entry TxR is T tokens/rank on R ranks' rows, T*R*K "
                  "(e.g. 128x2,32768,65536)")
+  p.add_argument("--sustain", type=float, default=0.0, metavar="S",
+                 help="--gemm1-rows: also S seconds of calls back to back, ours and each peer's "
+                      "(the steady state at the GPU's power limit, which --iters calls do not "
+                      "reach), with the SM clock and power meanwhile (default: 0, not measured)")
   p.add_argument("--experts", type=int, help="--gemm1-rows: local experts (default: E/2 of each "
                  "shape, one of 2 ranks')")
   p.add_argument("--layer", action="store_true",

@@ -276,4 +276,39 @@ def format_gemm1_table(rows: Sequence[dict], ceilings: dict,
   lines += [f"  {', '.join(names)}: {w} ({', '.join(at)})" for w, (names, at) in why.items()]
   lines.append(f"ceilings (peers): copy {ceilings['copy_gbps']:.0f} GB/s, the floor's bandwidth")
   lines += [f"- {n}" for n in notes]
+  steady = format_sustained_table(rows)
+  return "\n".join(lines + ([steady] if steady else []))
+
+
+def format_sustained_table(rows: Sequence[dict]) -> str:
+  """gemm1 and its peers in steady state (bench/run.py --sustain); empty if none was measured."""
+  cols = [("shape", 6, "{}"), ("rows", 6, "{}"), ("rows/exp", 8, "{:.0f}"), ("s", 3, "{:.0f}"),
+          ("ms", 7, "{:.3f}"), ("TF/s", 5, "{}"), ("MHz", 5, "{:.0f}"), ("W", 4, "{:.0f}"),
+          ("bf16 ms", 7, "{:.3f}"), ("MHz", 5, "{:.0f}"), ("W", 4, "{:.0f}"),
+          ("vs bf16", 7, "{:.2f}x"), ("fp8 ms", 7, "{:.3f}"), ("MHz", 5, "{:.0f}"),
+          ("vs fp8", 6, "{:.2f}x"), ("dense TF/s", 10, "{}"), ("MHz", 5, "{:.0f}")]
+  table = []
+  for r in rows:
+    ours = (r.get("gemm1") or {}).get("sustained") if r["kind"] == "gemm1" else None
+    if not ours:
+      continue
+    res = r["gemm1_peers"]["results"]
+    peer = {n: res[n].get("sustained") or {} for n in ("torch-bf16", "torch-fp8", "torch-dense")}
+    vs = lambda n: peer[n]["ms"] / ours["ms"] if "ms" in peer[n] else None
+    dense = peer["torch-dense"]
+    table.append([r["shape"], r["rows_total"], r["rows_total"] / r["experts"], ours["seconds"],
+                  ours["ms"], _rate(r["gemm1_flops"] / (ours["ms"] * 1e-3) / 1e12),
+                  ours.get("sm_mhz"), ours.get("power_w"), peer["torch-bf16"].get("ms"),
+                  peer["torch-bf16"].get("sm_mhz"), peer["torch-bf16"].get("power_w"),
+                  vs("torch-bf16"), peer["torch-fp8"].get("ms"), peer["torch-fp8"].get("sm_mhz"),
+                  vs("torch-fp8"),
+                  _rate(r["gemm1_flops"] / (dense["ms"] * 1e-3) / 1e12) if "ms" in dense else None,
+                  dense.get("sm_mhz")])
+  if not table:
+    return ""
+  lines = ["gemm1 and its peers in steady state (--sustain: calls back to back for s seconds):"]
+  lines += render_table(cols, table, left=1)
+  lines.append("- ms per call over the second half of the period; MHz, W: the median SM clock and "
+               "board power that nvidia-smi sampled meanwhile (the GPU at its power limit: short "
+               "bursts of --iters calls run at higher clocks than a model's steady state).")
   return "\n".join(lines)

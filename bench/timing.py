@@ -9,6 +9,8 @@ matmul rates; --gpu, the device's copy bandwidth, XLA's dense bf16 matmul (one 8
 configuration one of gemm1's FLOPs) and, with R > 1 GPUs in one process, the peer copy."""
 from __future__ import annotations
 
+import shutil
+import subprocess
 import time
 from typing import Callable, Optional
 
@@ -45,6 +47,43 @@ def time_calls(fn: Callable, args: tuple, iters: int, warmup: int) -> dict:
   ms = all_processes(times).max(0) * 1e3  # per call, the slowest process
   return {"median_ms": float(np.median(ms)), "min_ms": float(ms.min()),
           "p90_ms": float(np.percentile(ms, 90)), "pipelined_ms": slowest(pipelined) * 1e3}
+
+
+def sustained(call: Callable[[], object], sync: Callable[[object], None], seconds: float,
+              gpu_index: int = 0) -> dict:
+  """Calls back to back for `seconds` (a model's steady state: the GPU at its power limit, which
+  short bursts of --iters calls do not reach), synchronised every 8 calls so that only a few
+  outputs live at once: ms per call over the second half, and the SM clock and board power that
+  nvidia-smi samples every 100 ms meanwhile (medians of the second half; absent without it)."""
+  smi = None
+  if shutil.which("nvidia-smi"):
+    smi = subprocess.Popen(["nvidia-smi", "-i", str(gpu_index), "--query-gpu=clocks.sm,power.draw",
+                            "--format=csv,noheader,nounits", "-lms", "100"],
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+  marks, n, t0 = [], 0, time.perf_counter()
+  while True:
+    out = call()
+    n += 1
+    if n % 8 == 0:
+      sync(out)
+      marks.append((time.perf_counter() - t0, n))
+      if marks[-1][0] >= seconds:
+        break
+  half = next(m for m in marks if m[0] >= marks[-1][0] / 2)
+  result = {"seconds": marks[-1][0], "calls": n,
+            "ms": (marks[-1][0] - half[0]) / (marks[-1][1] - half[1]) * 1e3}
+  if smi is not None:
+    smi.terminate()
+    samples = []
+    for line in smi.communicate()[0].splitlines():
+      try:
+        samples.append([float(v) for v in line.split(",")])
+      except ValueError:
+        pass
+    if samples:
+      late = np.array(samples[len(samples) // 2:])
+      result["sm_mhz"], result["power_w"] = (float(v) for v in np.median(late, axis=0))
+  return result
 
 
 def first_call(fn: Callable, *args):

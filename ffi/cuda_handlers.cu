@@ -192,7 +192,8 @@ ffi::Error DispatchGemm1Impl(cudaStream_t stream, ffi::AnyBuffer values, ffi::An
   const bool local = opt.engine == EngineId::kLocal;
   if (local && send_counts.dimensions()[0] != 1)
     return ffi::Error::InvalidArgument(
-        "jax_sdma_moe dispatch_gemm1 (CUDA): engine 'local' moves rows within one GPU only (R = 1)");
+        "jax_sdma_moe dispatch_gemm1 (CUDA): engine 'local' moves rows within one GPU only "
+        "(R = 1)");
   // before the dispatch's first kernel: its kernels spin beside the GEMM's launch
   const std::string loaded = local ? "" : jsm::cuda::gemm1::load_gemm_kernels();
   if (!loaded.empty()) return launch_error(loaded);
