@@ -6,7 +6,7 @@
 # Logs: $OUT/wgmma-build.log, $OUT/wgmma.log (the table), $OUT/wgmma-smi.log.
 source "$(dirname "$0")/common.sh"
 take_options 120 "$@"
-step wgmma-build 180 nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a \
+step wgmma-build 180 nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I "$REPO" \
     -o /tmp/jsm-wgmma "$REPO/bench/wgmma_ceiling.cu" || { tail -20 "$OUT/wgmma-build.log"; exit 1; }
 nvidia-smi --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits -lms 100 \
   > "$OUT/wgmma-smi.log" 2>&1 &
