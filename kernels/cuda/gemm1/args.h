@@ -73,8 +73,8 @@ struct Gemm1Args {
   EpError* err;
   // Engine local's fused call (R = 1, the bf16 kernel only): a and a_scales are the send buffer,
   // whose rows are grouped by expert, and expert e's landed rows are the first counts[e] rows of
-  // its segment there, which starts at the sum of send_counts[0..e) (send_row_shift). Null: a and
-  // a_scales hold the landed rows.
+  // its segment there, which starts at the sum of send_counts[0..e) (the scheduler's source_shift).
+  // Null: a and a_scales hold the landed rows.
   const int32_t* send_counts;
   // set by resolve_slot in the kernel
   const uint32_t* arrival;  // null: nothing to wait for

@@ -225,7 +225,8 @@ __device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared<kTok>& sh
 // bounded), then counted on its row tile's flag; kChunks counts release the row tile to every
 // CTA's loader. Quarters let 4 CTAs share the first row tiles, which every CTA waits for at the
 // start; each thread upcasts one stage (four blocks, their loads in flight together: the loop is
-// latency-bound) of a row at a time. t: 0..95.
+// latency-bound) of a row at a time. The rows come from g.a at their landed row, or shifted into
+// the send buffer in engine local's fused call (source_shift). t: 0..95.
 template <class Scheduler>
 __device__ __forceinline__ void transform_row_tiles(const Gemm1Args& g, const Scheduler& sched,
                                                     int t) {
