@@ -5,7 +5,6 @@
 
 #include <stdint.h>
 
-#include <algorithm>
 #include <vector>
 
 #include "kernels/common/mxfp8.h"  // JSM_HD
@@ -32,6 +31,13 @@ JSM_HD int64_t landing_layout(const int32_t* total, Index EL, int64_t row_align,
   return dropped;
 }
 
+// The rows of a segment of n rows starting at landing row `base` that land, in an expert whose
+// landed rows are [offset, offset + count) (the rest, past M_cap, overflow).
+JSM_HD int64_t segment_keep(int64_t n, int64_t base, int64_t offset, int64_t count) {
+  const int64_t room = offset + count - base;
+  return n < room ? n : (room > 0 ? room : 0);
+}
+
 // Where source `rank` puts its segment of (destination d, local expert e), for every (d, e):
 // rows [base, base + keep) of d's §4 layout (after the segments of sources < rank; keep is short of
 // the segment's rows where M_cap cut it), from send-buffer rows [from, from + keep). plan holds
@@ -56,8 +62,7 @@ inline std::vector<SegmentPut> segment_puts(const int32_t* plan, int64_t R, int6
       int64_t base = offsets[e];
       for (int64_t s = 0; s < rank; ++s) base += plan[(s * R + d) * EL + e];
       const int64_t n = mine[d * EL + e];
-      const int64_t room = int64_t(offsets[e]) + counts[e] - base;
-      puts[d * EL + e] = SegmentPut{base, std::max<int64_t>(0, std::min<int64_t>(n, room)), from};
+      puts[d * EL + e] = SegmentPut{base, segment_keep(n, base, offsets[e], counts[e]), from};
       from += n;
     }
   }

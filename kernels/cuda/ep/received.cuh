@@ -54,8 +54,7 @@ struct ReceivedSegments {
     g.from = 0;
     for (int f = 0; f < e; ++f) g.from += count(s, f);
     g.n = count(s, e);
-    const int64_t room = int64_t(offsets[e]) + counts[e] - g.base;
-    g.keep = g.n < room ? g.n : (room > 0 ? room : 0);
+    g.keep = segment_keep(g.n, g.base, offsets[e], counts[e]);
     return g;
   }
 };
