@@ -134,6 +134,19 @@ class FfiDispatchEngine(Engine):
                                options=self.dispatch_options(send, send_counts, cap),
                                graph=self.graph_capturable)
 
+  def _fused(self, send: SendBuffer, w1q: QuantizedW1) -> bool:
+    """Whether dispatch and GEMM1 run as one call (`dispatch_gemm1`) for this shape."""
+    return False
+
+  def dispatch_gemm1(self, send, send_counts, rank, w1q, *, cap):
+    if not self._fused(send, w1q):
+      return super().dispatch_gemm1(send, send_counts, rank, w1q, cap=cap)
+    return primitives.dispatch_gemm1(
+        send, send_counts, rank, w1q, cap=cap,
+        options=self.dispatch_options(send, send_counts, cap),
+        gemm1_options=gemm1_options(self.config, send, send_counts),
+        graph=self.graph_capturable)
+
   def combine(self, rows, out1, rank, *, num_tokens, topk):
     return primitives.combine(rows, out1.src_rank, out1.src_token, out1.topk_slot,
                               out1.topk_weight, rank, num_tokens=num_tokens, topk=topk,

@@ -55,7 +55,7 @@ class CudaWindowEngine(WindowEngine):
   def _destroy(self, wid):
     self._ext.ep_windows_destroy(wid)
 
-  def _fused(self, send):
+  def _fused(self, send, w1q):
     return fused_gemm1_ok(send.values.shape[1], self.config.row_align)
 
   _TIMELINE_KEYS = ("timed_calls", "first_chunk_calls", "gemm_start_us", "gemm_end_us",

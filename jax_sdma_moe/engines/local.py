@@ -2,8 +2,8 @@
 or on CUDA, where the bf16 GEMM runs, read by the GEMM straight from the send buffer."""
 from __future__ import annotations
 
-from .. import layout, primitives
-from .base import FfiDispatchEngine, gemm1_options
+from .. import layout
+from .base import FfiDispatchEngine
 
 
 class LocalEngine(FfiDispatchEngine):
@@ -17,14 +17,9 @@ class LocalEngine(FfiDispatchEngine):
       raise ValueError(f"Runtime: engine 'local' needs a one-rank axis, {runtime.axis_name!r} has "
                        f"{runtime.num_ranks}")
 
-  def dispatch_gemm1(self, send, send_counts, rank, w1q, *, cap):
+  def _fused(self, send, w1q):
     """On CUDA with the bf16 GEMM, one call: the landing layout, then the GEMM reading each
     expert's rows from its segment of the send buffer (R = 1: the send buffer is already grouped
     by expert), so no copy of the rows runs before it. Elsewhere dispatch, then gemm1."""
-    if (self.runtime.platform != "cuda" or
-        not layout.gemm1_bf16_applies(send.values.shape[1], w1q.values.shape[1] // 2)):
-      return super().dispatch_gemm1(send, send_counts, rank, w1q, cap=cap)
-    return primitives.dispatch_gemm1(
-        send, send_counts, rank, w1q, cap=cap,
-        options=self.dispatch_options(send, send_counts, cap),
-        gemm1_options=gemm1_options(self.config, send, send_counts))
+    return self.runtime.platform == "cuda" and layout.gemm1_bf16_applies(
+        send.values.shape[1], w1q.values.shape[1] // 2)

@@ -9,7 +9,7 @@ import threading
 import jax
 
 from .. import layout, primitives
-from .base import Engine, FfiDispatchEngine, gemm1_options
+from .base import Engine, FfiDispatchEngine
 
 
 class WindowEngine(FfiDispatchEngine):
@@ -89,18 +89,8 @@ class WindowEngine(FfiDispatchEngine):
   def _destroy(self, wid: int) -> None:
     raise NotImplementedError
 
-  def _fused(self, send) -> bool:
-    """Whether dispatch and GEMM1 run as one call for this shape."""
+  def _fused(self, send, w1q) -> bool:
     return True
-
-  def dispatch_gemm1(self, send, send_counts, rank, w1q, *, cap):
-    if not self._fused(send):
-      return super().dispatch_gemm1(send, send_counts, rank, w1q, cap=cap)
-    return primitives.dispatch_gemm1(
-        send, send_counts, rank, w1q, cap=cap,
-        options=self.dispatch_options(send, send_counts, cap),
-        gemm1_options=gemm1_options(self.config, send, send_counts),
-        graph=self.graph_capturable)
 
   # the window engines' combine is built for engines sm, ce and sdma (DESIGN.md §6):
   # Engine.combine's error for the others
