@@ -24,7 +24,8 @@ void launch_sm90_tma_ws(const Gemm1Args& g, const CUtensorMap& map_a0, const CUt
 // sm90_mx_bf16_rs.cu: exact MX through bf16 wgmma, weights upcast in registers, tokens upcast once
 // per call into the workspace g.xb (H % 512 == 0, I % 64 == 0). Tiles of tile_tokens tokens
 // (kBf16TileTokens, with its tails in kBf16WideTileTokens and kBf16SmallTileTokens; or
-// kBf16SmallTileTokens where experts hold few rows) x kBf16TileCols output columns. Its TMA maps (row-major byte matrices):
+// kBf16SmallTileTokens where experts hold few rows) x kBf16TileCols output columns. Its TMA maps
+// (row-major byte matrices):
 struct Bf16RsMaps {
   CUtensorMap xb;        // the workspace's bf16 rows [m_cap, 2H bytes]: boxes tile_tokens x 128 B,
                          // 128-byte swizzle
