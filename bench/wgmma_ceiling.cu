@@ -22,39 +22,19 @@ using sm90_bf16::upcast4;
 
 constexpr int kThreads = 256, KS = 128;  // two consumer warpgroups; K per stage (fp8 bytes)
 
-// The other forms' wrappers (sm90.cuh has the GEMM's m64n128k16 from registers): the accumulator
-// operands of 64 and 128 floats, their registers' names, and the A operand of each form.
-#define ACC8(i)                                                                                 \
-  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]),    \
-      "+f"(d[i + 6]), "+f"(d[i + 7])
-#define ACC64(i) ACC8(i), ACC8(i + 8), ACC8(i + 16), ACC8(i + 24), ACC8(i + 32), ACC8(i + 40), \
-                 ACC8(i + 48), ACC8(i + 56)
-#define REGS64 \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, " \
-  "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, " \
-  "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, " \
-  "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-#define REGS128 REGS64 \
-  ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, " \
-  "%81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, " \
-  "%98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
-  "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, " \
-  "%126, %127"
-#define WGMMA(N, REGS, A) \
-  "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n" #N \
-  "k16.f32.bf16.bf16 {" REGS "}, " A ", p, 1, 1"
-
+// The other forms' wrappers (sm90.cuh has the GEMM's, from registers, up to m64n152k16), on
+// sm90.cuh's operand lists.
 __device__ __forceinline__ void ss_m64n128k16(float* d, uint64_t desc_a, uint64_t desc_b) {
-  asm volatile(WGMMA(128, REGS64, "%64, %65") ", 0, 0;\n}\n"
-               : ACC64(0) : "l"(desc_a), "l"(desc_b));
+  asm volatile(JSM_WGMMA_BF16(128, JSM_WGMMA_D64, "%64, %65", ", 0, 0")
+               : JSM_WGMMA_ACC64 : "l"(desc_a), "l"(desc_b));
 }
 __device__ __forceinline__ void ss_m64n256k16(float* d, uint64_t desc_a, uint64_t desc_b) {
-  asm volatile(WGMMA(256, REGS128, "%128, %129") ", 0, 0;\n}\n"
-               : ACC64(0), ACC64(64) : "l"(desc_a), "l"(desc_b));
+  asm volatile(JSM_WGMMA_BF16(256, JSM_WGMMA_D128, "%128, %129", ", 0, 0")
+               : JSM_WGMMA_ACC128 : "l"(desc_a), "l"(desc_b));
 }
 __device__ __forceinline__ void rs_m64n256k16(float* d, const uint32_t (&a)[4], uint64_t desc_b) {
-  asm volatile(WGMMA(256, REGS128, "{%128, %129, %130, %131}, %132") ", 0;\n}\n"
-               : ACC64(0), ACC64(64)
+  asm volatile(JSM_WGMMA_BF16(256, JSM_WGMMA_D128, "{%128, %129, %130, %131}, %132", ", 0")
+               : JSM_WGMMA_ACC128
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
 
@@ -62,7 +42,7 @@ template <int N, bool kRS>
 __device__ __forceinline__ void mma(float* d, const uint32_t (&a)[4], uint64_t desc_a,
                                     uint64_t desc_b) {
   if constexpr (kRS) {
-    if constexpr (N == 128) wgmma_m64n128k16_bf16_rs(d, a, desc_b);
+    if constexpr (N == 128) wgmma_m64nk16_bf16_rs<128>(d, a, desc_b);
     else rs_m64n256k16(d, a, desc_b);
   } else {
     if constexpr (N == 128) ss_m64n128k16(d, desc_a, desc_b);

@@ -77,79 +77,94 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
+// wgmma operand lists. JSM_WGMMA_D<n> names the accumulator operands %0 .. %(n - 1) (n = N / 2
+// floats per thread of an m64nN accumulator), JSM_WGMMA_IN<n> the five input operands after
+// them (register-sourced A, B's descriptor), JSM_WGMMA_ACC<n> binds d[0 .. n - 1] to them.
+#define JSM_WGMMA_D8 "%0, %1, %2, %3, %4, %5, %6, %7"
+#define JSM_WGMMA_D16 JSM_WGMMA_D8 ", %8, %9, %10, %11, %12, %13, %14, %15"
+#define JSM_WGMMA_D24 JSM_WGMMA_D16 ", %16, %17, %18, %19, %20, %21, %22, %23"
+#define JSM_WGMMA_D32 JSM_WGMMA_D24 ", %24, %25, %26, %27, %28, %29, %30, %31"
+#define JSM_WGMMA_D40 JSM_WGMMA_D32 ", %32, %33, %34, %35, %36, %37, %38, %39"
+#define JSM_WGMMA_D48 JSM_WGMMA_D40 ", %40, %41, %42, %43, %44, %45, %46, %47"
+#define JSM_WGMMA_D52 JSM_WGMMA_D48 ", %48, %49, %50, %51"
+#define JSM_WGMMA_D56 JSM_WGMMA_D52 ", %52, %53, %54, %55"
+#define JSM_WGMMA_D60 JSM_WGMMA_D56 ", %56, %57, %58, %59"
+#define JSM_WGMMA_D64 JSM_WGMMA_D60 ", %60, %61, %62, %63"
+#define JSM_WGMMA_D68 JSM_WGMMA_D64 ", %64, %65, %66, %67"
+#define JSM_WGMMA_D72 JSM_WGMMA_D68 ", %68, %69, %70, %71"
+#define JSM_WGMMA_D76 JSM_WGMMA_D72 ", %72, %73, %74, %75"
+#define JSM_WGMMA_D88 JSM_WGMMA_D76 ", %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87"
+#define JSM_WGMMA_D100 JSM_WGMMA_D88 ", %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99"
+#define JSM_WGMMA_D108 JSM_WGMMA_D100 ", %100, %101, %102, %103, %104, %105, %106, %107"
+#define JSM_WGMMA_D116 JSM_WGMMA_D108 ", %108, %109, %110, %111, %112, %113, %114, %115"
+#define JSM_WGMMA_D124 JSM_WGMMA_D116 ", %116, %117, %118, %119, %120, %121, %122, %123"
+#define JSM_WGMMA_D128 JSM_WGMMA_D124 ", %124, %125, %126, %127"
+#define JSM_WGMMA_IN16 "{%16, %17, %18, %19}, %20"
+#define JSM_WGMMA_IN32 "{%32, %33, %34, %35}, %36"
+#define JSM_WGMMA_IN48 "{%48, %49, %50, %51}, %52"
+#define JSM_WGMMA_IN52 "{%52, %53, %54, %55}, %56"
+#define JSM_WGMMA_IN56 "{%56, %57, %58, %59}, %60"
+#define JSM_WGMMA_IN60 "{%60, %61, %62, %63}, %64"
+#define JSM_WGMMA_IN64 "{%64, %65, %66, %67}, %68"
+#define JSM_WGMMA_IN68 "{%68, %69, %70, %71}, %72"
+#define JSM_WGMMA_IN72 "{%72, %73, %74, %75}, %76"
+#define JSM_WGMMA_IN76 "{%76, %77, %78, %79}, %80"
+#define JSM_WGMMA_ACC4(i) "+f"(d[i]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3])
+#define JSM_WGMMA_ACC16_AT(i) \
+  JSM_WGMMA_ACC4(i), JSM_WGMMA_ACC4((i) + 4), JSM_WGMMA_ACC4((i) + 8), JSM_WGMMA_ACC4((i) + 12)
+#define JSM_WGMMA_ACC16 JSM_WGMMA_ACC16_AT(0)
+#define JSM_WGMMA_ACC32 JSM_WGMMA_ACC16, JSM_WGMMA_ACC16_AT(16)
+#define JSM_WGMMA_ACC48 JSM_WGMMA_ACC32, JSM_WGMMA_ACC16_AT(32)
+#define JSM_WGMMA_ACC52 JSM_WGMMA_ACC48, JSM_WGMMA_ACC4(48)
+#define JSM_WGMMA_ACC56 JSM_WGMMA_ACC52, JSM_WGMMA_ACC4(52)
+#define JSM_WGMMA_ACC60 JSM_WGMMA_ACC56, JSM_WGMMA_ACC4(56)
+#define JSM_WGMMA_ACC64_AT(i) \
+  JSM_WGMMA_ACC16_AT(i), JSM_WGMMA_ACC16_AT((i) + 16), JSM_WGMMA_ACC16_AT((i) + 32), \
+      JSM_WGMMA_ACC16_AT((i) + 48)
+#define JSM_WGMMA_ACC64 JSM_WGMMA_ACC64_AT(0)
+#define JSM_WGMMA_ACC68 JSM_WGMMA_ACC64, JSM_WGMMA_ACC4(64)
+#define JSM_WGMMA_ACC72 JSM_WGMMA_ACC68, JSM_WGMMA_ACC4(68)
+#define JSM_WGMMA_ACC76 JSM_WGMMA_ACC72, JSM_WGMMA_ACC4(72)
+#define JSM_WGMMA_ACC128 JSM_WGMMA_ACC64, JSM_WGMMA_ACC64_AT(64)
+// An m64nNk16 bf16 x bf16 += float32 wgmma (scale-d 1): D its accumulators' names, A the A
+// operand's and B's descriptor's, TRANS the transpose flags after the scales (", 0, 0" with A
+// from shared memory, ", 0" from registers).
+#define JSM_WGMMA_BF16(N, D, A, TRANS)                                              \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n" #N   \
+  "k16.f32.bf16.bf16 {" D "}, " A ", p, 1, 1" TRANS ";\n}\n"
+
 // d = A (64 x 32 e4m3, K-major) * B (128 x 32 e4m3, K-major)^T, a fresh float32 accumulator.
 __device__ __forceinline__ void wgmma_m64n128k32(float* d, uint64_t desc_a, uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(desc_a), "l"(desc_b));
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" JSM_WGMMA_D64
+               "}, %64, %65, p, 1, 1;\n}\n"
+               : JSM_WGMMA_ACC64
+               : "l"(desc_a), "l"(desc_b));
 }
 
-// d (64 x 128 float32) += A (64 x 16 bf16 from registers: each warp's 16 rows as the mma.m16n8k16
-// A fragment) * B (128 x 16 bf16, K-major in shared memory, `desc_b`)^T. d[4 j + 2 h + c] is row
-// g + 8 h, B row 8 j + 2 tig + c: fragments 0-31 cover B rows 0-63, 32-63 rows 64-127.
-__device__ __forceinline__ void wgmma_m64n128k16_bf16_rs(float* d, const uint32_t (&a)[4],
-                                                         uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-
-// As above with 32 B rows: d (64 x 32 float32), d[4 j + 2 h + c] is row g + 8 h, B row 8 j + 2 tig
-// + c.
-__device__ __forceinline__ void wgmma_m64n32k16_bf16_rs(float* d, const uint32_t (&a)[4],
-                                                        uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-      "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-        "+f"(d[14]), "+f"(d[15])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-
-// As above with 152 B rows (a tile's 128 tokens and a tail of up to 24): d (64 x 152 float32).
-__device__ __forceinline__ void wgmma_m64n152k16_bf16_rs(float* d, const uint32_t (&a)[4],
-                                                         uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n152k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75}, "
-      "{%76, %77, %78, %79}, %80, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
-        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
-        "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]),
-        "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-
-// m64nNk16 bf16 with A from registers, N = 128, 152 or 32.
+// d (64 x N float32) += A (64 x 16 bf16 from registers: each warp's 16 rows as the mma.m16n8k16
+// A fragment) * B (N x 16 bf16, K-major in shared memory, `desc_b`)^T. d[4 j + 2 h + c] is row
+// g + 8 h, B row 8 j + 2 tig + c. So an m64nN accumulator is the first N / 2 floats of a wider
+// one: one array serves every N up to its own (gemm1 sizes N to each tile's rows).
+#define JSM_WGMMA_RS(N, n)                                                        \
+  asm volatile(JSM_WGMMA_BF16(N, JSM_WGMMA_D##n, JSM_WGMMA_IN##n, ", 0")           \
+               : JSM_WGMMA_ACC##n                                                \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b))
+// The widths wrapped: N = 32, 64, and 96-152 in steps of 8.
 template <int N>
 __device__ __forceinline__ void wgmma_m64nk16_bf16_rs(float* d, const uint32_t (&a)[4],
                                                       uint64_t desc_b) {
-  static_assert(N == 128 || N == 152 || N == 32, "the wgmma shapes wrapped here");
-  if constexpr (N == 128) wgmma_m64n128k16_bf16_rs(d, a, desc_b);
-  else if constexpr (N == 152) wgmma_m64n152k16_bf16_rs(d, a, desc_b);
-  else wgmma_m64n32k16_bf16_rs(d, a, desc_b);
+  static_assert(N == 32 || N == 64 || (N >= 96 && N <= 152 && N % 8 == 0), "a wrapped width");
+  if constexpr (N == 32) JSM_WGMMA_RS(32, 16);
+  else if constexpr (N == 64) JSM_WGMMA_RS(64, 32);
+  else if constexpr (N == 96) JSM_WGMMA_RS(96, 48);
+  else if constexpr (N == 104) JSM_WGMMA_RS(104, 52);
+  else if constexpr (N == 112) JSM_WGMMA_RS(112, 56);
+  else if constexpr (N == 120) JSM_WGMMA_RS(120, 60);
+  else if constexpr (N == 128) JSM_WGMMA_RS(128, 64);
+  else if constexpr (N == 136) JSM_WGMMA_RS(136, 68);
+  else if constexpr (N == 144) JSM_WGMMA_RS(144, 72);
+  else if constexpr (N == 152) JSM_WGMMA_RS(152, 76);
 }
 
 __device__ __forceinline__ void mbar_init(uint64_t* b, uint32_t count) {
