@@ -86,13 +86,9 @@ __device__ __forceinline__ void wgmma_wait() {
 #define JSM_WGMMA_D32 JSM_WGMMA_D24 ", %24, %25, %26, %27, %28, %29, %30, %31"
 #define JSM_WGMMA_D40 JSM_WGMMA_D32 ", %32, %33, %34, %35, %36, %37, %38, %39"
 #define JSM_WGMMA_D48 JSM_WGMMA_D40 ", %40, %41, %42, %43, %44, %45, %46, %47"
-#define JSM_WGMMA_D52 JSM_WGMMA_D48 ", %48, %49, %50, %51"
-#define JSM_WGMMA_D56 JSM_WGMMA_D52 ", %52, %53, %54, %55"
-#define JSM_WGMMA_D60 JSM_WGMMA_D56 ", %56, %57, %58, %59"
-#define JSM_WGMMA_D64 JSM_WGMMA_D60 ", %60, %61, %62, %63"
-#define JSM_WGMMA_D68 JSM_WGMMA_D64 ", %64, %65, %66, %67"
-#define JSM_WGMMA_D72 JSM_WGMMA_D68 ", %68, %69, %70, %71"
-#define JSM_WGMMA_D76 JSM_WGMMA_D72 ", %72, %73, %74, %75"
+#define JSM_WGMMA_D56 JSM_WGMMA_D48 ", %48, %49, %50, %51, %52, %53, %54, %55"
+#define JSM_WGMMA_D64 JSM_WGMMA_D56 ", %56, %57, %58, %59, %60, %61, %62, %63"
+#define JSM_WGMMA_D76 JSM_WGMMA_D64 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75"
 #define JSM_WGMMA_D88 JSM_WGMMA_D76 ", %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87"
 #define JSM_WGMMA_D100 JSM_WGMMA_D88 ", %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99"
 #define JSM_WGMMA_D108 JSM_WGMMA_D100 ", %100, %101, %102, %103, %104, %105, %106, %107"
@@ -100,31 +96,18 @@ __device__ __forceinline__ void wgmma_wait() {
 #define JSM_WGMMA_D124 JSM_WGMMA_D116 ", %116, %117, %118, %119, %120, %121, %122, %123"
 #define JSM_WGMMA_D128 JSM_WGMMA_D124 ", %124, %125, %126, %127"
 #define JSM_WGMMA_IN16 "{%16, %17, %18, %19}, %20"
-#define JSM_WGMMA_IN32 "{%32, %33, %34, %35}, %36"
-#define JSM_WGMMA_IN48 "{%48, %49, %50, %51}, %52"
-#define JSM_WGMMA_IN52 "{%52, %53, %54, %55}, %56"
-#define JSM_WGMMA_IN56 "{%56, %57, %58, %59}, %60"
-#define JSM_WGMMA_IN60 "{%60, %61, %62, %63}, %64"
 #define JSM_WGMMA_IN64 "{%64, %65, %66, %67}, %68"
-#define JSM_WGMMA_IN68 "{%68, %69, %70, %71}, %72"
-#define JSM_WGMMA_IN72 "{%72, %73, %74, %75}, %76"
 #define JSM_WGMMA_IN76 "{%76, %77, %78, %79}, %80"
 #define JSM_WGMMA_ACC4(i) "+f"(d[i]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3])
 #define JSM_WGMMA_ACC16_AT(i) \
   JSM_WGMMA_ACC4(i), JSM_WGMMA_ACC4((i) + 4), JSM_WGMMA_ACC4((i) + 8), JSM_WGMMA_ACC4((i) + 12)
-#define JSM_WGMMA_ACC16 JSM_WGMMA_ACC16_AT(0)
-#define JSM_WGMMA_ACC32 JSM_WGMMA_ACC16, JSM_WGMMA_ACC16_AT(16)
-#define JSM_WGMMA_ACC48 JSM_WGMMA_ACC32, JSM_WGMMA_ACC16_AT(32)
-#define JSM_WGMMA_ACC52 JSM_WGMMA_ACC48, JSM_WGMMA_ACC4(48)
-#define JSM_WGMMA_ACC56 JSM_WGMMA_ACC52, JSM_WGMMA_ACC4(52)
-#define JSM_WGMMA_ACC60 JSM_WGMMA_ACC56, JSM_WGMMA_ACC4(56)
 #define JSM_WGMMA_ACC64_AT(i) \
   JSM_WGMMA_ACC16_AT(i), JSM_WGMMA_ACC16_AT((i) + 16), JSM_WGMMA_ACC16_AT((i) + 32), \
       JSM_WGMMA_ACC16_AT((i) + 48)
+#define JSM_WGMMA_ACC16 JSM_WGMMA_ACC16_AT(0)
 #define JSM_WGMMA_ACC64 JSM_WGMMA_ACC64_AT(0)
-#define JSM_WGMMA_ACC68 JSM_WGMMA_ACC64, JSM_WGMMA_ACC4(64)
-#define JSM_WGMMA_ACC72 JSM_WGMMA_ACC68, JSM_WGMMA_ACC4(68)
-#define JSM_WGMMA_ACC76 JSM_WGMMA_ACC72, JSM_WGMMA_ACC4(72)
+#define JSM_WGMMA_ACC76 \
+  JSM_WGMMA_ACC64, JSM_WGMMA_ACC4(64), JSM_WGMMA_ACC4(68), JSM_WGMMA_ACC4(72)
 #define JSM_WGMMA_ACC128 JSM_WGMMA_ACC64, JSM_WGMMA_ACC64_AT(64)
 // An m64nNk16 bf16 x bf16 += float32 wgmma (scale-d 1): D its accumulators' names, A the A
 // operand's and B's descriptor's, TRANS the transpose flags after the scales (", 0, 0" with A
@@ -144,27 +127,18 @@ __device__ __forceinline__ void wgmma_m64n128k32(float* d, uint64_t desc_a, uint
 
 // d (64 x N float32) += A (64 x 16 bf16 from registers: each warp's 16 rows as the mma.m16n8k16
 // A fragment) * B (N x 16 bf16, K-major in shared memory, `desc_b`)^T. d[4 j + 2 h + c] is row
-// g + 8 h, B row 8 j + 2 tig + c. So an m64nN accumulator is the first N / 2 floats of a wider
-// one: one array serves every N up to its own (gemm1 sizes N to each tile's rows).
+// g + 8 h, B row 8 j + 2 tig + c. N: 128, 152 (a tile and a tail of up to 24) or 32.
 #define JSM_WGMMA_RS(N, n)                                                        \
   asm volatile(JSM_WGMMA_BF16(N, JSM_WGMMA_D##n, JSM_WGMMA_IN##n, ", 0")           \
                : JSM_WGMMA_ACC##n                                                \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b))
-// The widths wrapped: N = 32, 64, and 96-152 in steps of 8.
 template <int N>
 __device__ __forceinline__ void wgmma_m64nk16_bf16_rs(float* d, const uint32_t (&a)[4],
                                                       uint64_t desc_b) {
-  static_assert(N == 32 || N == 64 || (N >= 96 && N <= 152 && N % 8 == 0), "a wrapped width");
-  if constexpr (N == 32) JSM_WGMMA_RS(32, 16);
-  else if constexpr (N == 64) JSM_WGMMA_RS(64, 32);
-  else if constexpr (N == 96) JSM_WGMMA_RS(96, 48);
-  else if constexpr (N == 104) JSM_WGMMA_RS(104, 52);
-  else if constexpr (N == 112) JSM_WGMMA_RS(112, 56);
-  else if constexpr (N == 120) JSM_WGMMA_RS(120, 60);
-  else if constexpr (N == 128) JSM_WGMMA_RS(128, 64);
-  else if constexpr (N == 136) JSM_WGMMA_RS(136, 68);
-  else if constexpr (N == 144) JSM_WGMMA_RS(144, 72);
+  static_assert(N == 128 || N == 152 || N == 32, "the wgmma shapes wrapped here");
+  if constexpr (N == 128) JSM_WGMMA_RS(128, 64);
   else if constexpr (N == 152) JSM_WGMMA_RS(152, 76);
+  else JSM_WGMMA_RS(32, 16);
 }
 
 __device__ __forceinline__ void mbar_init(uint64_t* b, uint32_t count) {
