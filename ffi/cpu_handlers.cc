@@ -21,6 +21,7 @@ namespace {
 
 using namespace jsm::sig;  // the buffer aliases
 using jsm::handler::check_dtype;
+using jsm::handler::check_send_rows;
 using jsm::handler::last_dim;
 using jsm::handler::rows_of;
 
@@ -56,12 +57,14 @@ ffi::Error RouteImpl(S32Mat ids, ffi::Result<S32Mat> send_counts,
 ffi::Error QpackImpl(BF16Mat x, F32Mat weights,
                      S32Mat send_pos, ffi::Result<ffi::AnyBuffer> values,
                      ffi::Result<ffi::AnyBuffer> scales, ffi::Result<S32Vec> token,
-                     ffi::Result<S32Vec> slot, ffi::Result<F32Vec> weight) {
+                     ffi::Result<S32Vec> slot, ffi::Result<F32Vec> weight, bool token_rows) {
   JSM_RETURN_IF_ERROR(check_dtype(*values, ffi::DataType::F8E4M3FN, "qpack values"));
   jsm::RowHeaders out{token->typed_data(), slot->typed_data(), weight->typed_data()};
   const auto T = x.dimensions()[0], H = x.dimensions()[1], K = send_pos.dimensions()[1];
+  const int64_t S = token->element_count();
+  JSM_RETURN_IF_ERROR(check_send_rows(*values, *scales, S, T, token_rows, "qpack"));
   jsm::qpack_rows(reinterpret_cast<const uint16_t*>(x.typed_data()), weights.typed_data(),
-                  send_pos.typed_data(), T, K, H, rows_of(*values),
+                  send_pos.typed_data(), T, K, H, S, token_rows,
                   static_cast<uint8_t*>(values->untyped_data()),
                   static_cast<uint8_t*>(scales->untyped_data()), out);
   return ffi::Error::Success();
@@ -71,14 +74,16 @@ ffi::Error PackImpl(ffi::AnyBuffer x_values, ffi::AnyBuffer x_scales,
                     F32Mat weights, S32Mat send_pos,
                     ffi::Result<ffi::AnyBuffer> values, ffi::Result<ffi::AnyBuffer> scales,
                     ffi::Result<S32Vec> token, ffi::Result<S32Vec> slot,
-                    ffi::Result<F32Vec> weight) {
+                    ffi::Result<F32Vec> weight, bool token_rows) {
   JSM_RETURN_IF_ERROR(check_dtype(x_values, ffi::DataType::F8E4M3FN, "pack x values"));
   JSM_RETURN_IF_ERROR(check_dtype(x_scales, ffi::DataType::U8, "pack x scales"));
   jsm::RowHeaders out{token->typed_data(), slot->typed_data(), weight->typed_data()};
   const auto T = rows_of(x_values), H = last_dim(x_values), K = send_pos.dimensions()[1];
+  const int64_t S = token->element_count();
+  JSM_RETURN_IF_ERROR(check_send_rows(*values, *scales, S, T, token_rows, "pack"));
   jsm::pack_rows(static_cast<const uint8_t*>(x_values.untyped_data()),
                  static_cast<const uint8_t*>(x_scales.untyped_data()), weights.typed_data(),
-                 send_pos.typed_data(), T, K, H, rows_of(*values),
+                 send_pos.typed_data(), T, K, H, S, token_rows,
                  static_cast<uint8_t*>(values->untyped_data()),
                  static_cast<uint8_t*>(scales->untyped_data()), out);
   return ffi::Error::Success();
@@ -99,6 +104,8 @@ ffi::Error DispatchImpl(ffi::AnyBuffer values, ffi::AnyBuffer scales, S32Vec tok
     return jsm::handler::wrong_engine("dispatch (cpu)", opt.engine, "engines cpu and local");
   JSM_RETURN_IF_ERROR(check_dtype(values, ffi::DataType::F8E4M3FN, "dispatch values"));
   JSM_RETURN_IF_ERROR(check_dtype(*out_values, ffi::DataType::F8E4M3FN, "dispatch landed values"));
+  JSM_RETURN_IF_ERROR(
+      check_send_rows(values, scales, token.element_count(), 0, false, "dispatch"));
   jsm::DispatchGeometry g{send_counts.dimensions()[0], send_counts.dimensions()[1], last_dim(values),
                           rows_of(*out_values), rows_of(values)};
   jsm::SendView send{static_cast<const uint8_t*>(values.untyped_data()),

@@ -155,20 +155,18 @@ std::string gemm_on_slot(const jsm::ep::SlotView& slot, void* stream, void* ctx)
                                         fused.opt);
 }
 
-// Engine local's dispatch + gemm1 (R = 1): the layout kernel, then the bf16 GEMM reading each
-// expert's rows straight from the send buffer (Gemm1Args::send_counts), so no copy of the rows
-// (0.3-0.45 ms at dsv3 4096-8192 tokens, docs/PERF.md §2) sits in front of the GEMM.
+// Engine local's dispatch + gemm1 (R = 1): the layout kernel (the landed rows' headers), then the
+// bf16 GEMM reading each landed row from its token's row of the send buffer, which holds one row
+// per token (qpack token_rows; Gemm1Args::source_rows): no copy of the rows in front of the GEMM
+// (0.3-0.45 ms at dsv3 4096-8192 tokens, docs/PERF.md §2), and qpack quantises and stores each
+// token once (not once per expert).
 ffi::Error local_dispatch_gemm1(cudaStream_t stream, const jsm::SendView& send, int EL, int64_t H,
                                 const jsm::LandedView& out, const jsm::DispatchOptions& opt,
                                 FusedGemm& fused) {
-  Gemm1Args& g = fused.g;
-  if (g.xb == nullptr)
-    return ffi::Error::InvalidArgument(
-        "jax_sdma_moe dispatch_gemm1 (CUDA): engine 'local' fuses only where the bf16 GEMM runs "
-        "(H % 512 == 0, I % 64 == 0); use dispatch then gemm1");
+  Gemm1Args& g = fused.g;  // launch_gemm1 refuses it where the bf16 kernel does not run
   g.a = send.values;
   g.a_scales = send.scales;
-  g.send_counts = send.counts;
+  g.source_rows = out.token;
   jsm::gpu::launch_dispatch_local(send, EL, H, g.m_cap, opt.row_align, out, stream);
   JSM_RETURN_IF_ERROR(last_error("dispatch_gemm1 layout"));
   return launch_error(jsm::cuda::gemm1::launch_gemm1(g, jsm::cuda::num_sms(), stream, fused.opt));
@@ -183,7 +181,7 @@ ffi::Error DispatchGemm1Impl(cudaStream_t stream, ffi::AnyBuffer values, ffi::An
                              ffi::Result<S32Vec> expert_offsets, ffi::Result<S32Vec> expert_counts,
                              ffi::Result<S32Scalar> num_rows, ffi::Result<S32Scalar> overflow,
                              ffi::RemainingRets rets, jsm::DispatchOptions opt,
-                             jsm::Gemm1Options gemm_opt) {
+                             jsm::Gemm1Options gemm_opt, bool token_rows) {
   if (opt.engine != EngineId::kCe && opt.engine != EngineId::kSm && opt.engine != EngineId::kLocal)
     return jsm::handler::wrong_engine("dispatch_gemm1 (CUDA)", opt.engine,
                                       "engines local, ce and sm");
@@ -194,6 +192,12 @@ ffi::Error DispatchGemm1Impl(cudaStream_t stream, ffi::AnyBuffer values, ffi::An
     return ffi::Error::InvalidArgument(
         "jax_sdma_moe dispatch_gemm1 (CUDA): engine 'local' moves rows within one GPU only "
         "(R = 1)");
+  JSM_RETURN_IF_ERROR(
+      jsm::handler::check_token_rows(token_rows, local, opt.engine, "dispatch_gemm1 (CUDA)"));
+  // token rows: as many as x has tokens, which this call does not see; their scales match them
+  JSM_RETURN_IF_ERROR(jsm::handler::check_send_rows(values, scales, token.element_count(),
+                                                    rows_of(values), token_rows,
+                                                    "dispatch_gemm1 (CUDA)"));
   // before the dispatch's first kernel: its kernels spin beside the GEMM's launch
   const std::string loaded = local ? "" : jsm::cuda::gemm1::load_gemm_kernels();
   if (!loaded.empty()) return launch_error(loaded);

@@ -29,6 +29,7 @@ namespace gpu_handlers {
 namespace ffi = xla::ffi;
 using namespace jsm::sig;  // the buffer aliases
 using handler::check_dtype;
+using handler::check_send_rows;
 using handler::last_dim;
 using handler::ptr;
 using handler::rows_of;
@@ -71,16 +72,18 @@ inline ffi::Error RouteImpl(gpu::Stream stream, S32Mat ids, ffi::Result<S32Mat> 
 // qpack (x bf16) or pack (x_values, x_scales) into the send buffer.
 inline ffi::Error launch_pack(gpu::Stream stream, bool quantize, const uint16_t* x,
                               const uint8_t* xv, const uint8_t* xs, F32Mat weights,
-                              S32Mat send_pos, int64_t T, int64_t H,
+                              S32Mat send_pos, int64_t T, int64_t H, bool token_rows,
                               ffi::Result<ffi::AnyBuffer>& values,
                               ffi::Result<ffi::AnyBuffer>& scales, ffi::Result<S32Vec>& token,
                               ffi::Result<S32Vec>& slot, ffi::Result<F32Vec>& weight) {
   const int K = int(send_pos.dimensions()[1]);
   if (K > 16) return ffi::Error::InvalidArgument("jax_sdma_moe (GPU): top-k above 16");
-  const gpu::PackArgs a{x, xv, xs, weights.typed_data(), send_pos.typed_data(), T, K, H,
-                        int64_t(token->element_count()), ptr<uint8_t>(values),
-                        ptr<uint8_t>(scales), token->typed_data(), slot->typed_data(),
-                        weight->typed_data()};
+  const int64_t S = token->element_count();
+  JSM_RETURN_IF_ERROR(
+      check_send_rows(*values, *scales, S, T, token_rows, quantize ? "qpack" : "pack"));
+  const gpu::PackArgs a{x, xv, xs, weights.typed_data(), send_pos.typed_data(), T, K, H, S,
+                        token_rows, ptr<uint8_t>(values), ptr<uint8_t>(scales),
+                        token->typed_data(), slot->typed_data(), weight->typed_data()};
   gpu::launch_pack(quantize, a, stream);
   return last_error(quantize ? "qpack" : "pack");
 }
@@ -88,21 +91,22 @@ inline ffi::Error launch_pack(gpu::Stream stream, bool quantize, const uint16_t*
 inline ffi::Error QpackImpl(gpu::Stream stream, BF16Mat x, F32Mat weights, S32Mat send_pos,
                             ffi::Result<ffi::AnyBuffer> values, ffi::Result<ffi::AnyBuffer> scales,
                             ffi::Result<S32Vec> token, ffi::Result<S32Vec> slot,
-                            ffi::Result<F32Vec> weight) {
+                            ffi::Result<F32Vec> weight, bool token_rows) {
   JSM_RETURN_IF_ERROR(check_dtype(*values, ffi::DataType::F8E4M3FN, "qpack values"));
   return launch_pack(stream, true, reinterpret_cast<const uint16_t*>(x.typed_data()), nullptr,
-                     nullptr, weights, send_pos, x.dimensions()[0], x.dimensions()[1], values,
-                     scales, token, slot, weight);
+                     nullptr, weights, send_pos, x.dimensions()[0], x.dimensions()[1], token_rows,
+                     values, scales, token, slot, weight);
 }
 
 inline ffi::Error PackImpl(gpu::Stream stream, ffi::AnyBuffer x_values, ffi::AnyBuffer x_scales,
                            F32Mat weights, S32Mat send_pos, ffi::Result<ffi::AnyBuffer> values,
                            ffi::Result<ffi::AnyBuffer> scales, ffi::Result<S32Vec> token,
-                           ffi::Result<S32Vec> slot, ffi::Result<F32Vec> weight) {
+                           ffi::Result<S32Vec> slot, ffi::Result<F32Vec> weight,
+                           bool token_rows) {
   JSM_RETURN_IF_ERROR(check_dtype(x_values, ffi::DataType::F8E4M3FN, "pack x values"));
   return launch_pack(stream, false, nullptr, ptr<uint8_t>(x_values), ptr<uint8_t>(x_scales),
-                     weights, send_pos, rows_of(x_values), last_dim(x_values), values, scales,
-                     token, slot, weight);
+                     weights, send_pos, rows_of(x_values), last_dim(x_values), token_rows, values,
+                     scales, token, slot, weight);
 }
 
 // The send buffer and send counts of a dispatch call.
@@ -185,6 +189,8 @@ ffi::Error DispatchImpl(gpu::Stream stream, ffi::AnyBuffer values, ffi::AnyBuffe
   const std::string where = std::string("dispatch (") + Engines::kPlatform + ")";
   if (opt.engine != EngineId::kLocal && !Engines::serves(opt.engine))
     return handler::wrong_engine(where.c_str(), opt.engine, Engines::kServes);
+  JSM_RETURN_IF_ERROR(
+      check_send_rows(values, scales, token.element_count(), 0, false, where.c_str()));
   const int EL = int(send_counts.dimensions()[1]);
   const int64_t m_cap = rows_of(*out_values), H = last_dim(values);
   const SendView send = send_view(values, scales, token, slot, weight, send_counts);

@@ -31,6 +31,31 @@ inline int64_t rows_of(const ffi::AnyBuffer& b) {
 }
 inline int64_t last_dim(const ffi::AnyBuffer& b) { return b.dimensions().back(); }
 
+// The send buffer's rows (values, scales) against its send rows (the headers' count `send_rows`):
+// one each, or with token_rows (qpack's attribute) one per token of x (`tokens`).
+inline ffi::Error check_send_rows(const ffi::AnyBuffer& values, const ffi::AnyBuffer& scales,
+                                  int64_t send_rows, int64_t tokens, bool token_rows,
+                                  const char* what) {
+  const int64_t want = token_rows ? tokens : send_rows;
+  if (rows_of(values) != want || rows_of(scales) != want)
+    return ffi::Error::InvalidArgument(
+        std::string("jax_sdma_moe ") + what + ": the send buffer holds " +
+        std::to_string(rows_of(values)) + " rows, not " + std::to_string(want) + " (one per " +
+        (token_rows ? "token: token_rows" : "send row") + ")");
+  return ffi::Error::Success();
+}
+
+// A fused dispatch + gemm1 whose engine takes a send buffer of token rows (engine local) or of
+// send rows (the others), given the call's token_rows attribute.
+inline ffi::Error check_token_rows(bool token_rows, bool engine_takes_them, EngineId engine,
+                                   const char* what) {
+  if (token_rows == engine_takes_them) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(
+      std::string("jax_sdma_moe ") + what + ": engine '" + engine_name(engine) +
+      "' takes a send buffer of " +
+      (engine_takes_them ? "token rows (qpack token_rows=True)" : "send rows (token_rows=False)"));
+}
+
 // A buffer's data as T.
 template <class T>
 T* ptr(ffi::Result<ffi::AnyBuffer>& r) {

@@ -121,10 +121,14 @@ ffi::Error DispatchGemm1Impl(hipStream_t stream, ffi::AnyBuffer values, ffi::Any
                              ffi::Result<S32Vec> expert_offsets, ffi::Result<S32Vec> expert_counts,
                              ffi::Result<S32Scalar> num_rows, ffi::Result<S32Scalar> overflow,
                              ffi::RemainingRets rets, jsm::DispatchOptions opt,
-                             jsm::Gemm1Options gemm_opt) {
+                             jsm::Gemm1Options gemm_opt, bool token_rows) {
   if (opt.engine != EngineId::kSdma)
     return jsm::handler::wrong_engine("dispatch_gemm1 (ROCm)", opt.engine, "engine sdma");
   JSM_RETURN_IF_ERROR(check_dtype(values, ffi::DataType::F8E4M3FN, "dispatch_gemm1 rows"));
+  JSM_RETURN_IF_ERROR(jsm::handler::check_token_rows(token_rows, false, opt.engine,
+                                                     "dispatch_gemm1 (ROCm)"));
+  JSM_RETURN_IF_ERROR(jsm::handler::check_send_rows(values, scales, token.element_count(), 0,
+                                                    false, "dispatch_gemm1 (ROCm)"));
   const int64_t H = last_dim(values), cap = src_rank->dimensions()[0];
   Gemm1Call c{};
   c.offsets = expert_offsets->typed_data();

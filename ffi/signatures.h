@@ -74,18 +74,21 @@ auto gemm1_attrs(B&& b) {
   return std::move(b).template Attr<Gemm1Options>("gemm1");
 }
 
-// send buffer <- x bf16 [T, H], weights [T, K], send_pos [T, K]
+// send buffer <- x bf16 [T, H], weights [T, K], send_pos [T, K]; attribute `token_rows`: the
+// values hold one row per token (engine local's fused call, DESIGN.md §5), not one per send row
 template <class B>
 auto qpack(B b) {
   return send_buffer_rets(
-      std::move(b).template Arg<BF16Mat>().template Arg<F32Mat>().template Arg<S32Mat>());
+      std::move(b).template Arg<BF16Mat>().template Arg<F32Mat>().template Arg<S32Mat>())
+      .template Attr<bool>("token_rows");
 }
 
-// send buffer <- x values, x scales, weights [T, K], send_pos [T, K]
+// send buffer <- x values, x scales, weights [T, K], send_pos [T, K]; attribute `token_rows`
 template <class B>
 auto pack(B b) {
   return send_buffer_rets(std::move(b).template Arg<Any>().template Arg<Any>()
-                              .template Arg<F32Mat>().template Arg<S32Mat>());
+                              .template Arg<F32Mat>().template Arg<S32Mat>())
+      .template Attr<bool>("token_rows");
 }
 
 // landed rows (values, scales, src_rank, token, slot, weight, expert_offsets, expert_counts,
@@ -96,14 +99,16 @@ auto dispatch(B b) {
       layout_rets(dispatch_args(std::move(b)).template Ret<Any>().template Ret<Any>()));
 }
 
-// dispatch + gemm1 fused (engines ce, sm): (src_rank, token, slot, weight, expert_offsets,
-// expert_counts, num_rows, overflow, then h (bf16) or (h values, h scales)) <- send buffer,
-// send_counts [R, EL], rank, w1 values, w1 scales
+// dispatch + gemm1 fused (engines ce, sm, local): (src_rank, token, slot, weight,
+// expert_offsets, expert_counts, num_rows, overflow, then h (bf16) or (h values, h scales)) <- send
+// buffer, send_counts [R, EL], rank, w1 values, w1 scales; attribute `token_rows` as qpack's
+// (engine local's fused call takes them, the others send rows)
 template <class B>
 auto dispatch_gemm1(B b) {
   return gemm1_attrs(dispatch_attrs(
       layout_rets(dispatch_args(std::move(b)).template Arg<Any>().template Arg<Any>())
-          .RemainingRets()));
+          .RemainingRets()))
+      .template Attr<bool>("token_rows");
 }
 
 // h (bf16) or (h values, h scales) <- landed values, scales, expert_offsets, expert_counts,

@@ -102,13 +102,17 @@ def dispatch(send: SendBuffer, send_counts: jax.Array, *, runtime: Runtime, cap:
   return runtime.engine.dispatch(send, send_counts, lax.axis_index(runtime.axis_name), cap=cap)
 
 
-def call_bytes(R: int, T: int, H: int, I: int, K: int, cap: int, out_dtype: str) -> int:
-  """Device bytes one stage1 call holds per rank at most: the send buffer, the landed rows with
-  their headers, two parity slots of landing windows (engines with windows; engine xla's
-  received rows take as much), and h."""
+def call_bytes(R: int, T: int, H: int, I: int, K: int, cap: int, out_dtype: str,
+               token_rows: bool = False) -> int:
+  """Device bytes one stage1 call holds per rank at most: the send buffer (one row per send row,
+  or with token_rows per token, and the headers), the landed rows with their headers, two parity
+  slots of landing windows (engines with windows; engine xla's received rows take as much), and
+  h."""
   row = layout.landing_row_bytes(H)
   h_row = I * 2 if out_dtype == "bf16" else I + I // BLOCK
-  return T * K * row + cap * (3 * row + h_row)
+  send = (T * (H + H // BLOCK) + T * K * (row - H - H // BLOCK) if token_rows
+          else T * K * row)
+  return send + cap * (3 * row + h_row)
 
 
 def stage1(x: Union[jax.Array, MXFP8], topk, w1q: QuantizedW1, *, runtime: Runtime,
@@ -132,18 +136,21 @@ def stage1(x: Union[jax.Array, MXFP8], topk, w1q: QuantizedW1, *, runtime: Runti
   # the engine's windows beyond their landing slots (ce, sm, sdma: the combine's return slots; ce
   # also its staging of the peers' rows, sdma its staged send rows: DESIGN §2, §6)
   windows = runtime.engine.window_bytes(H, EL, cap, layout.send_rows(T, K))
+  token_rows = runtime.engine.send_token_rows(H, I)
   runtime.check_memory(f"T = {T} tokens of H = {H} with M_cap = {cap} landing rows",
-                       call_bytes(R, T, H, I, K, cap, cfg.out_dtype) + workspace + windows)
+                       call_bytes(R, T, H, I, K, cap, cfg.out_dtype, token_rows) + workspace +
+                       windows)
   ids = ids.astype(jnp.int32)
   weights = jnp.ones(ids.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
   rank = lax.axis_index(axis)
 
   route = primitives.route(ids, R, EL)
   if isinstance(x, MXFP8):
-    send = primitives.pack(x, weights, route.send_pos)
+    send = primitives.pack(x, weights, route.send_pos, token_rows=token_rows)
   else:
-    send = primitives.qpack(x, weights, route.send_pos)
-  landed, h = runtime.engine.dispatch_gemm1(send, route.send_counts, rank, w1q, cap=cap)
+    send = primitives.qpack(x, weights, route.send_pos, token_rows=token_rows)
+  landed, h = runtime.engine.dispatch_gemm1(send, route.send_counts, rank, w1q, cap=cap,
+                                            token_rows=token_rows)
   # check=True fails inside the computation (an FFI error), which works on every platform; the
   # count passes through the check so XLA cannot drop it
   overflow = primitives.check_overflow(landed.overflow, rank, cap) if check else landed.overflow

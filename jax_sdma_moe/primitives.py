@@ -184,23 +184,35 @@ def route(ids: jax.Array, num_ranks: int, experts_per_rank: int) -> Route:
 # --- qpack / pack ----------------------------------------------------------------------------
 
 
-def _send_avals(send_pos, H):
-  S = send_pos.shape[0] * send_pos.shape[1]
-  return (_aval((S, H), F8), _aval((S, H // BLOCK), jnp.uint8), _aval((S,), jnp.int32),
+def _send_avals(send_pos, H, token_rows):
+  T, S = send_pos.shape[0], send_pos.shape[0] * send_pos.shape[1]
+  rows = T if token_rows else S
+  return (_aval((rows, H), F8), _aval((rows, H // BLOCK), jnp.uint8), _aval((S,), jnp.int32),
           _aval((S,), jnp.int32), _aval((S,), jnp.float32))
 
 
-_qpack_p = _make("qpack", lambda x, weights, send_pos: _send_avals(send_pos, x.shape[-1]))
-_pack_p = _make("pack", lambda values, scales, weights, send_pos: _send_avals(
-    send_pos, values.shape[-1]))
+def _token_rows_attr(params):
+  return {"token_rows": np.bool_(params["token_rows"])}
 
 
-def qpack(x: jax.Array, weights: jax.Array, send_pos: jax.Array) -> SendBuffer:
-  return SendBuffer(*_bind(_qpack_p, x, weights, send_pos))
+_qpack_p = _make("qpack", lambda x, weights, send_pos, *, token_rows: _send_avals(
+    send_pos, x.shape[-1], token_rows), _token_rows_attr)
+_pack_p = _make("pack", lambda values, scales, weights, send_pos, *, token_rows: _send_avals(
+    send_pos, values.shape[-1], token_rows), _token_rows_attr)
 
 
-def pack(x: MXFP8, weights: jax.Array, send_pos: jax.Array) -> SendBuffer:
-  return SendBuffer(*_bind(_pack_p, x.values, x.scales, weights, send_pos))
+def qpack(x: jax.Array, weights: jax.Array, send_pos: jax.Array, *,
+          token_rows: bool = False) -> SendBuffer:
+  """x quantised into the send buffer: its rows at their send positions, or with token_rows one
+  row per token (engine local's fused call: DESIGN.md §5), the headers at the send positions."""
+  return SendBuffer(*_bind(_qpack_p, x, weights, send_pos, token_rows=bool(token_rows)))
+
+
+def pack(x: MXFP8, weights: jax.Array, send_pos: jax.Array, *,
+         token_rows: bool = False) -> SendBuffer:
+  """qpack of an x already quantised."""
+  return SendBuffer(*_bind(_pack_p, x.values, x.scales, weights, send_pos,
+                           token_rows=bool(token_rows)))
 
 
 # --- dispatch --------------------------------------------------------------------------------
@@ -270,7 +282,8 @@ def _dispatch_gemm1_abstract(values, scales, token, slot, weight, send_counts, r
 
 _dispatch_gemm1_p = _make(
     "dispatch_gemm1", _dispatch_gemm1_abstract,
-    lambda p: {"dispatch": p["options"].ffi_attr(), "gemm1": p["gemm1_options"].ffi_attr()},
+    lambda p: {"dispatch": p["options"].ffi_attr(), "gemm1": p["gemm1_options"].ffi_attr(),
+               **_token_rows_attr(p)},
     graph_target=True,
     gpu_workspace=lambda values, scales, token, slot, weight, send_counts, rank, w_values,
     w_scales, *, cap, **_: gemm1_workspace(cap, values.shape[1], w_values.shape[1] // 2,
@@ -278,11 +291,13 @@ _dispatch_gemm1_p = _make(
 
 
 def dispatch_gemm1(send: SendBuffer, send_counts: jax.Array, rank: jax.Array, w1, *, cap: int,
-                   options: DispatchOptions, gemm1_options: Gemm1Options, graph: bool = False):
-  """dispatch and gemm1 as one call: (Landed without the rows, h)."""
+                   options: DispatchOptions, gemm1_options: Gemm1Options, graph: bool = False,
+                   token_rows: bool = False):
+  """dispatch and gemm1 as one call: (Landed without the rows, h). token_rows: the send buffer
+  holds one row per token (qpack token_rows; engine local's call, the others' send rows)."""
   outs = _bind(_dispatch_gemm1_p, *send, send_counts, rank.astype(jnp.int32), w1.values,
                w1.scales, cap=int(cap), options=options, gemm1_options=gemm1_options,
-               graph=bool(graph))
+               graph=bool(graph), token_rows=bool(token_rows))
   landed = Landed(None, None, *outs[:8])
   return landed, _h(outs[8:], gemm1_options)
 

@@ -223,12 +223,12 @@ class CudaStage1Test(parameterized.TestCase):
         _util.check_stage1(self, jax.tree.map(lambda a: a[None], out), ref, h32, out_dtype)
 
   @parameterized.parameters("bf16", "mxfp8")
-  def test_local_fused_reads_the_send_buffer(self, out_dtype):
-    """Where the bf16 GEMM runs, engine local fuses the dispatch into it: the GEMM reads each
-    expert's rows from its segment of the send buffer. With M_cap too small for every row (the
-    last experts' rows overflow) and masked ids: stage1 as the reference, and the fused call's
-    layout and h byte for byte those of the unfused form (the dispatch copying the rows, then
-    gemm1: Engine.dispatch_gemm1)."""
+  def test_local_fused_reads_token_rows(self, out_dtype):
+    """Where the bf16 GEMM runs, engine local fuses the dispatch into it: qpack stores one row per
+    token (token_rows) and the GEMM reads each landed row from its token's row. With M_cap too
+    small for every row (the last experts' rows overflow) and masked ids: stage1 as the
+    reference, and the fused call's layout and h byte for byte those of the unfused form (send
+    rows, the dispatch copying them, then gemm1: Engine.dispatch_gemm1)."""
     r = _util.rng()
     H, I, E, K = _util.MID_LAYER
     T = 1000
@@ -242,11 +242,12 @@ class CudaStage1Test(parameterized.TestCase):
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
         return f.lower(*args).as_text(), jax.tree.map(np.asarray, f(*args))
 
-      def parts(dispatch_gemm1):
+      def parts(dispatch_gemm1, token_rows):
         def body(x, i, w, q):
           route = primitives.route(i, 1, E)
-          send = primitives.qpack(x, w, route.send_pos)
-          landed, h = dispatch_gemm1(send, route.send_counts, jnp.int32(0), q, cap=cap)
+          send = primitives.qpack(x, w, route.send_pos, token_rows=token_rows)
+          landed, h = dispatch_gemm1(send, route.send_counts, jnp.int32(0), q, cap=cap,
+                                     token_rows=token_rows)
           return landed._replace(values=None, scales=None), h
         return body
 
@@ -259,7 +260,7 @@ class CudaStage1Test(parameterized.TestCase):
       got = {}
       for fused, fn in ((True, rt.engine.dispatch_gemm1),
                         (False, functools.partial(Engine.dispatch_gemm1, rt.engine))):
-        text, got[fused] = run(parts(fn))
+        text, got[fused] = run(parts(fn, token_rows=fused))
         self.assertEqual("@jsm_dispatch(" in text, not fused)
     for a, b in zip(jax.tree.leaves(got[True]), jax.tree.leaves(got[False]), strict=True):
       np.testing.assert_array_equal(_util.as_bytes(a), _util.as_bytes(b))

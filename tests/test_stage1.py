@@ -95,7 +95,8 @@ class Stage1Test(parameterized.TestCase):
     """Lowered for CUDA (no GPU needed), gemm1 has two scratch results after h (DESIGN §5): the
     bf16 rows [M_cap, 2H] and the row-tile flags where the bf16 kernel applies (H % 512 == 0,
     I % 64 == 0), else two empty ones. Where it applies, engine local fuses the dispatch into it
-    (dispatch_gemm1 after the landed layout's 8 results; no dispatch call copies the rows)."""
+    (dispatch_gemm1 after the landed layout's 8 results; no dispatch call copies the rows) and
+    qpack stores one row per token (token_rows)."""
     r = _util.rng()
     m = _util.mesh(1)
     T, E, K = 8, 4, 2
@@ -110,6 +111,9 @@ class Stage1Test(parameterized.TestCase):
     fused = jsm.layout.gemm1_bf16_applies(H, I)
     target, layout_results = ("jsm_dispatch_gemm1", 8) if fused else ("jsm_gemm1", 0)
     self.assertEqual("@jsm_dispatch(" in text, not fused)
+    qpack = next(line.strip() for line in text.splitlines() if "@jsm_qpack(" in line)
+    self.assertIn(f"token_rows = {str(fused).lower()}", qpack)
+    self.assertIn(f"tensor<{T if fused else T * K}x{H}xf8E4M3FN>", qpack.split("->")[-1])
     call = next(line.strip() for line in text.splitlines() if f"@{target}(" in line)
     self.assertRegex(call, rf"^%\w+:{layout_results + h_results + 2} = "
                      rf"stablehlo.custom_call @{target}\(")

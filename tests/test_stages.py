@@ -45,6 +45,38 @@ class LocalStagesTest(parameterized.TestCase):
     got = jax.jit(primitives.pack)(jsm.quantize(x), w, rt.send_pos)
     assert_tree_equal(got, want)
 
+  @parameterized.parameters("uniform", "masked")
+  def test_token_rows(self, routing):
+    """qpack / pack with token_rows (engine local's fused call on CUDA): one row per token, the
+    token's quantised row where it has a route (zeros elsewhere on CPU), the headers as with send
+    rows; dispatch refuses such a buffer."""
+    r = _util.rng()
+    T, K, H, R, E = 53, 4, 192, 1, 16
+    x = jnp.asarray(r.standard_normal((T, H)) * 3, jnp.bfloat16)
+    ids = _util.make_ids(r, R, T, K, E, routing)
+    w = jnp.asarray(r.random((T, K)), jnp.float32)
+    rt = reference.route(ids, R, E // R)
+    rows = reference.pack(reference.quantize(x), w, rt.send_pos)
+    q = reference.quantize(x)
+    routed = (np.asarray(rt.send_pos) >= 0).any(1)
+    self.assertFalse(routed.all() and routing == "masked", "some token must have no route")
+    qpack = jax.jit(primitives.qpack, static_argnames="token_rows")
+    pack = jax.jit(primitives.pack, static_argnames="token_rows")
+    for got in (qpack(x, w, rt.send_pos, token_rows=True),
+                pack(jsm.quantize(x), w, rt.send_pos, token_rows=True)):
+      self.assertEqual(got.values.shape, (T, H))
+      for name in ("values", "scales"):
+        want = np.where(routed[:, None], _util.as_bytes(getattr(q, name)), 0)
+        np.testing.assert_array_equal(_util.as_bytes(getattr(got, name)), want, err_msg=name)
+      for name in ("token", "slot", "weight"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(rows, name), err_msg=name)
+    send = qpack(x, w, rt.send_pos, token_rows=True)
+    options = primitives.DispatchOptions(engine="local", window_set=0, row_align=16,
+                                         timeout_s=5.0)
+    with self.assertRaisesRegex(Exception, "one per send row"):
+      jax.jit(lambda s, c: primitives.dispatch(s, c, jnp.int32(0), cap=T * K, options=options))(
+          send, rt.send_counts).values.block_until_ready()
+
   def random_landed(self, r, EL, H, row_align, cap_extra=40, empty=(1,)):
     counts = r.integers(1, 70, EL)
     counts[list(empty)] = 0

@@ -18,9 +18,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def gemm1_options(config, send: SendBuffer, send_counts: jax.Array) -> primitives.Gemm1Options:
-  """The Stage1Config's gemm1 options for a dispatch of this send buffer: its rows (T*K) over the
-  local experts give the rows per expert that pick the CUDA GEMM's tile."""
-  tile = layout.gemm_tile_tokens(send.values.shape[0] / send_counts.shape[1],
+  """The Stage1Config's gemm1 options for a dispatch of this send buffer: its send rows (T*K, its
+  headers) over the local experts give the rows per expert that pick the CUDA GEMM's tile."""
+  tile = layout.gemm_tile_tokens(send.token.shape[0] / send_counts.shape[1],
                                  config.gemm_tile_tokens)
   return primitives.Gemm1Options(swiglu_limit=config.swiglu_limit, out_dtype=config.out_dtype,
                                  tile_tokens=tile)
@@ -57,9 +57,19 @@ class Engine:
     """This rank's send buffer -> its landed rows (§4 layout)."""
     raise NotImplementedError
 
+  def send_token_rows(self, H: int, I: int) -> bool:
+    """Whether Stage1 hands this engine a send buffer of token rows (qpack token_rows: one row per
+    token, which its fused call reads through the landed rows' headers) rather than one row per
+    send position. Only engine local's fused call takes them (DESIGN.md §5)."""
+    return False
+
   def dispatch_gemm1(self, send: SendBuffer, send_counts: jax.Array, rank: jax.Array,
-                     w1q: QuantizedW1, *, cap: int):
-    """dispatch then gemm1: (Landed, h). Engines that fuse the two override this."""
+                     w1q: QuantizedW1, *, cap: int, token_rows: bool = False):
+    """dispatch then gemm1: (Landed, h). Engines that fuse the two override this. token_rows: the
+    send buffer's rows are by token (send_token_rows)."""
+    if token_rows:
+      raise ValueError(f"engine {self.name!r}: dispatch reads a send buffer of send rows, not "
+                       "token rows (qpack token_rows=False)")
     landed = self.dispatch(send, send_counts, rank, cap=cap)
     h = primitives.gemm1(landed.values, landed.scales, landed.expert_offsets,
                          landed.expert_counts, w1q,
@@ -138,14 +148,18 @@ class FfiDispatchEngine(Engine):
     """Whether dispatch and GEMM1 run as one call (`dispatch_gemm1`) for this shape."""
     return False
 
-  def dispatch_gemm1(self, send, send_counts, rank, w1q, *, cap):
+  def dispatch_gemm1(self, send, send_counts, rank, w1q, *, cap, token_rows=False):
     if not self._fused(send, w1q):
-      return super().dispatch_gemm1(send, send_counts, rank, w1q, cap=cap)
+      return super().dispatch_gemm1(send, send_counts, rank, w1q, cap=cap, token_rows=token_rows)
+    H, I = send.values.shape[1], w1q.values.shape[1] // 2
+    if token_rows != self.send_token_rows(H, I):
+      raise ValueError(f"engine {self.name!r}: its fused call takes a send buffer of "
+                       f"{'token' if self.send_token_rows(H, I) else 'send'} rows")
     return primitives.dispatch_gemm1(
         send, send_counts, rank, w1q, cap=cap,
         options=self.dispatch_options(send, send_counts, cap),
         gemm1_options=gemm1_options(self.config, send, send_counts),
-        graph=self.graph_capturable)
+        graph=self.graph_capturable, token_rows=token_rows)
 
   def combine(self, rows, out1, rank, *, num_tokens, topk):
     return primitives.combine(rows, out1.src_rank, out1.src_token, out1.topk_slot,

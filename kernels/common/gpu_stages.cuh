@@ -169,7 +169,8 @@ __global__ void route_place_kernel(const int32_t* ids, int64_t n, int32_t E,
 }
 
 // qpack / pack: one warp per token; lane j handles MX blocks j, j + kWarp, ...; each block is
-// quantised (qpack) or read (pack) once and stored to every send row of the token. The kWarp
+// quantised (qpack) or read (pack) once and stored to every send row of the token (token_rows:
+// once, to the token's row; the headers go to its send rows either way). The kWarp
 // blocks of a round (1 KB of fp8 on CUDA, 2 KB on CDNA) go through shared memory so each store
 // instruction writes 16 * kWarp contiguous bytes, 16 per lane: stored straight from the lanes,
 // each instruction would cover every other 16 bytes of the row (half of every line).
@@ -177,8 +178,8 @@ constexpr int kPackThreads = 256, kPackWarps = kPackThreads / kWarp;
 template <bool kQuantize>
 __global__ void pack_kernel(const uint16_t* x, const uint8_t* x_values, const uint8_t* x_scales,
                             const float* weights, const int32_t* send_pos, int64_t T, int K,
-                            int64_t H, uint8_t* values, uint8_t* scales, int32_t* token,
-                            int32_t* slot, float* weight) {
+                            int64_t H, bool token_rows, uint8_t* values, uint8_t* scales,
+                            int32_t* token, int32_t* slot, float* weight) {
   const int lane = threadIdx.x % kWarp;
   const int64_t t = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / kWarp;
   if (t >= T) return;
@@ -195,6 +196,11 @@ __global__ void pack_kernel(const uint16_t* x, const uint8_t* x_values, const ui
     token[pos[lane]] = int32_t(t);
     slot[pos[lane]] = lane;
     weight[pos[lane]] = weights[t * K + lane];
+  }
+  if (token_rows) {  // the rows below: the token's own, once
+    pos[0] = int32_t(t);
+#pragma unroll
+    for (int k = 1; k < 16; ++k) pos[k] = -1;
   }
   __shared__ uint4 round_bytes[kPackWarps][2 * kWarp];  // one warp's kWarp blocks of fp8
   uint4* mine = round_bytes[threadIdx.x / kWarp];
@@ -342,12 +348,12 @@ void launch_pack(bool quantize, const PackArgs& a, Stream stream) {
   const int64_t grid = (a.T + kPackWarps - 1) / kPackWarps;
   if (quantize)
     pack_kernel<true><<<grid, kPackThreads, 0, stream>>>(
-        a.x, a.x_values, a.x_scales, a.weights, a.send_pos, a.T, a.K, a.H, a.values, a.scales,
-        a.token, a.slot, a.weight);
+        a.x, a.x_values, a.x_scales, a.weights, a.send_pos, a.T, a.K, a.H, a.token_rows,
+        a.values, a.scales, a.token, a.slot, a.weight);
   else
     pack_kernel<false><<<grid, kPackThreads, 0, stream>>>(
-        a.x, a.x_values, a.x_scales, a.weights, a.send_pos, a.T, a.K, a.H, a.values, a.scales,
-        a.token, a.slot, a.weight);
+        a.x, a.x_values, a.x_scales, a.weights, a.send_pos, a.T, a.K, a.H, a.token_rows,
+        a.values, a.scales, a.token, a.slot, a.weight);
 }
 
 template <bool kRows>

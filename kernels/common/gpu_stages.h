@@ -34,8 +34,9 @@ struct PackArgs {
   int64_t T;
   int K;
   int64_t H, S;
-  uint8_t* values;  // [S, H]
-  uint8_t* scales;  // [S, H/32]
+  bool token_rows;  // values hold one row per token, not one per send row (DESIGN.md §5)
+  uint8_t* values;  // [S, H], or [T, H] with token_rows
+  uint8_t* scales;  // [S, H/32], or [T, H/32]
   int32_t* token;
   int32_t* slot;
   float* weight;

@@ -43,14 +43,16 @@ struct RowHeaders {
   float* weight;
 };
 
-// Stores each token's quantised row to every send position it has; unused rows are zero with
+// Stores each token's quantised row to every send position it has (token_rows: once, at the
+// token's row; DESIGN.md §5) and the headers at its send positions; unused rows are zero with
 // headers -1 so the buffer is deterministic.
 inline void pack_rows(const uint8_t* values, const uint8_t* scales, const float* weights,
                       const int32_t* send_pos, int64_t T, int64_t K, int64_t H,
-                      int64_t S, uint8_t* out_values, uint8_t* out_scales, RowHeaders out) {
-  const int64_t HS = H / kBlock;
-  std::memset(out_values, 0, size_t(S * H));
-  std::memset(out_scales, 0, size_t(S * HS));
+                      int64_t S, bool token_rows, uint8_t* out_values, uint8_t* out_scales,
+                      RowHeaders out) {
+  const int64_t HS = H / kBlock, rows = token_rows ? T : S;
+  std::memset(out_values, 0, size_t(rows * H));
+  std::memset(out_scales, 0, size_t(rows * HS));
   std::fill(out.token, out.token + S, -1);
   std::fill(out.slot, out.slot + S, -1);
   std::fill(out.weight, out.weight + S, 0.0f);
@@ -58,8 +60,9 @@ inline void pack_rows(const uint8_t* values, const uint8_t* scales, const float*
     for (int64_t k = 0; k < K; ++k) {
       int32_t p = send_pos[t * K + k];
       if (p < 0) continue;
-      std::memcpy(out_values + p * H, values + t * H, size_t(H));
-      std::memcpy(out_scales + p * HS, scales + t * HS, size_t(HS));
+      const int64_t row = token_rows ? t : p;
+      std::memcpy(out_values + row * H, values + t * H, size_t(H));
+      std::memcpy(out_scales + row * HS, scales + t * HS, size_t(HS));
       out.token[p] = int32_t(t);
       out.slot[p] = int32_t(k);
       out.weight[p] = weights[t * K + k];
@@ -68,8 +71,8 @@ inline void pack_rows(const uint8_t* values, const uint8_t* scales, const float*
 
 // qpack: quantise each bf16 row once, then store it like pack_rows.
 inline void qpack_rows(const uint16_t* x, const float* weights, const int32_t* send_pos, int64_t T,
-                       int64_t K, int64_t H, int64_t S, uint8_t* out_values, uint8_t* out_scales,
-                       RowHeaders out) {
+                       int64_t K, int64_t H, int64_t S, bool token_rows, uint8_t* out_values,
+                       uint8_t* out_scales, RowHeaders out) {
   const int64_t HS = H / kBlock;
   std::vector<uint8_t> qv(static_cast<size_t>(T * H)), qs(static_cast<size_t>(T * HS));
   for (int64_t t = 0; t < T; ++t) {
@@ -77,7 +80,8 @@ inline void qpack_rows(const uint16_t* x, const float* weights, const int32_t* s
     for (int64_t k = 0; k < K; ++k) routed |= send_pos[t * K + k] >= 0;
     if (routed) quantize_row_bf16(x + t * H, H, qv.data() + t * H, qs.data() + t * HS);
   }
-  pack_rows(qv.data(), qs.data(), weights, send_pos, T, K, H, S, out_values, out_scales, out);
+  pack_rows(qv.data(), qs.data(), weights, send_pos, T, K, H, S, token_rows, out_values,
+            out_scales, out);
 }
 
 struct Gemm1Problem {

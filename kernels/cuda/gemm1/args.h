@@ -71,11 +71,10 @@ struct Gemm1Args {
   int arrival_ranks;
   uint64_t timeout_ns;
   EpError* err;
-  // Engine local's fused call (R = 1, the bf16 kernel only): a and a_scales are the send buffer,
-  // whose rows are grouped by expert, and expert e's landed rows are the first counts[e] rows of
-  // its segment there, which starts at the sum of send_counts[0..e) (the scheduler's source_shift).
-  // Null: a and a_scales hold the landed rows.
-  const int32_t* send_counts;
+  // Engine local's fused call (R = 1, the bf16 kernel only): a and a_scales hold one row per token
+  // (qpack token_rows), and landed row r is their row source_rows[r] (its token: the landed
+  // headers). Null: a and a_scales hold the landed rows.
+  const int32_t* source_rows;
   // set by resolve_slot in the kernel
   const uint32_t* arrival;  // null: nothing to wait for
   uint32_t epoch;

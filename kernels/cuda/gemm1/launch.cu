@@ -113,9 +113,10 @@ std::string launch_gemm1(Gemm1Args g, int grid, cudaStream_t stream, const Gemm1
     err = launch_bf16_route(g, int64_t(g.EL) * 2 * g.I, grid, stream, /*swiglu=*/true,
                             opt.tile_tokens);
     if (!err.empty()) return err;
-  } else if (g.send_counts) {  // only the bf16 kernel reads rows through a row shift
-    return "jax_sdma_moe gemm1: rows from a send buffer need the bf16 kernel (H % 512 == 0, "
-           "I % 64 == 0, 16-byte aligned rows and scales)";
+  } else if (g.source_rows) {  // only the bf16 kernel reads rows through a row map
+    return "jax_sdma_moe gemm1: rows by token (engine local's fused call) need the bf16 kernel "
+           "(H % 512 == 0, I % 64 == 0, 16-byte aligned rows and scales); use dispatch then "
+           "gemm1";
   } else if (g.H % 128 == 0) {
     CUtensorMap map_a0, map_a1, map_b;
     err = tensor_map(&map_a0, rows0, g.H, g.m_cap, kTmaABoxRows);

@@ -114,17 +114,6 @@ struct TileSchedulerFor {
     }
   }
 
-  // How far expert e's landed rows lie from their rows in g.a: 0, or where g.a is the send buffer
-  // (g.send_counts: engine local's fused call) the start of e's segment there less e's first
-  // landed row. Every lane of a warp calls it (`lane` its lane).
-  static __device__ __forceinline__ int64_t source_shift(const Gemm1Args& g, int e, int lane) {
-    if (!g.send_counts) return 0;
-    int64_t start = 0;
-    for (int i = lane; i < e; i += kWarp) start += g.send_counts[i];
-    for (int o = kWarp / 2; o > 0; o /= 2) start += __shfl_xor_sync(0xFFFFFFFFu, start, o);
-    return start - g.offsets[e];
-  }
-
   // Work item w.
   __device__ __forceinline__ Tile tile(const Gemm1Args& g, int w) const {
     const int e = expert_of(g, w), local = w - tile_start[e];

@@ -225,8 +225,8 @@ __device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared<kTok>& sh
 // bounded), then counted on its row tile's flag; kChunks counts release the row tile to every
 // CTA's loader. Quarters let 4 CTAs share the first row tiles, which every CTA waits for at the
 // start; each thread upcasts one stage (four blocks, their loads in flight together: the loop is
-// latency-bound) of a row at a time. The rows come from g.a at their landed row, or shifted into
-// the send buffer in engine local's fused call (source_shift). t: 0..95.
+// latency-bound) of a row at a time. The rows come from g.a at their landed row, or in engine
+// local's fused call at their token's row (g.source_rows). t: 0..95.
 template <class Scheduler>
 __device__ __forceinline__ void transform_row_tiles(const Gemm1Args& g, const Scheduler& sched,
                                                     int t) {
@@ -237,20 +237,21 @@ __device__ __forceinline__ void transform_row_tiles(const Gemm1Args& g, const Sc
     const Tile tile = sched.row_tile(g, rt);
     const int s0 = chunk * nks / kChunks, width = (chunk + 1) * nks / kChunks - s0;
     if (t < kWarp) Scheduler::wait_arrival(g, tile.e, ready, t);
-    const int64_t shift = Scheduler::source_shift(g, tile.e, t % kWarp) * g.H;
     transform_barrier();
     const int n = tile.rows * width;  // (row, stage) pairs i = r * width + stage - s0
     for (int i = t; i < n; i += kTransformThreads) {
       const int64_t row = tile.row0 + i / width;
-      const int64_t at = row * g.H + int64_t(s0 + i % width) * KS;  // the stage's first element
-      const uint4* src = reinterpret_cast<const uint4*>(g.a + shift + at);
+      const int64_t k0 = int64_t(s0 + i % width) * KS;  // the stage's first element
+      const int64_t at = row * g.H + k0;
+      const int64_t from = (g.source_rows ? g.source_rows[row] : row) * g.H + k0;
+      const uint4* src = reinterpret_cast<const uint4*>(g.a + from);
       uint4 in[4][2];
       uint32_t e[4];
 #pragma unroll
       for (int b = 0; b < 4; ++b) {
         in[b][0] = src[2 * b];
         in[b][1] = src[2 * b + 1];
-        e[b] = g.a_scales[(shift + at) / kBlock + b];
+        e[b] = g.a_scales[from / kBlock + b];
       }
       upcast_stage(in, e, g.xb + at * 2);
     }
