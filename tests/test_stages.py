@@ -53,13 +53,12 @@ class LocalStagesTest(parameterized.TestCase):
     r = _util.rng()
     T, K, H, R, E = 53, 4, 192, 1, 16
     x = jnp.asarray(r.standard_normal((T, H)) * 3, jnp.bfloat16)
-    ids = _util.make_ids(r, R, T, K, E, routing)
+    ids = jnp.asarray(_util.make_ids(r, R, T, K, E, routing)).at[::7].set(-1)  # some: no route
     w = jnp.asarray(r.random((T, K)), jnp.float32)
     rt = reference.route(ids, R, E // R)
     rows = reference.pack(reference.quantize(x), w, rt.send_pos)
     q = reference.quantize(x)
     routed = (np.asarray(rt.send_pos) >= 0).any(1)
-    self.assertFalse(routed.all() and routing == "masked", "some token must have no route")
     qpack = jax.jit(primitives.qpack, static_argnames="token_rows")
     pack = jax.jit(primitives.pack, static_argnames="token_rows")
     for got in (qpack(x, w, rt.send_pos, token_rows=True),
