@@ -151,10 +151,10 @@ class FfiDispatchEngine(Engine):
   def dispatch_gemm1(self, send, send_counts, rank, w1q, *, cap, token_rows=False):
     if not self._fused(send, w1q):
       return super().dispatch_gemm1(send, send_counts, rank, w1q, cap=cap, token_rows=token_rows)
-    H, I = send.values.shape[1], w1q.values.shape[1] // 2
-    if token_rows != self.send_token_rows(H, I):
+    takes_token_rows = self.send_token_rows(send.values.shape[1], w1q.values.shape[1] // 2)
+    if token_rows != takes_token_rows:
       raise ValueError(f"engine {self.name!r}: its fused call takes a send buffer of "
-                       f"{'token' if self.send_token_rows(H, I) else 'send'} rows")
+                       f"{'token' if takes_token_rows else 'send'} rows")
     return primitives.dispatch_gemm1(
         send, send_counts, rank, w1q, cap=cap,
         options=self.dispatch_options(send, send_counts, cap),
