@@ -42,7 +42,7 @@ template <int N, bool kRS>
 __device__ __forceinline__ void mma(float* d, const uint32_t (&a)[4], uint64_t desc_a,
                                     uint64_t desc_b) {
   if constexpr (kRS) {
-    if constexpr (N == 128) wgmma_m64nk16_bf16_rs<128>(d, a, desc_b);
+    if constexpr (N == 128) wgmma_m64nk16_rs<128>(d, a, desc_b);
     else rs_m64n256k16(d, a, desc_b);
   } else {
     if constexpr (N == 128) ss_m64n128k16(d, desc_a, desc_b);

@@ -47,13 +47,13 @@ def gemm_tile_tokens(rows_per_expert: float, override=None) -> int:
 
 
 def bf16_gemm_workspace(cap: int, depth: int, experts_per_rank: int, applies: bool):
-  """The CUDA bf16-route GEMM's workspace (DESIGN §5), as ((shape, dtype), ...): the landed rows
-  upcast to bf16 once per call ([cap, 2*depth] bytes) and one flag per row tile of the smaller
-  tile (cap // 32 + experts_per_rank: kernels/cuda/gemm1/args.h bf16_row_tiles_bound). Empty where
-  the kernel does not apply."""
+  """The CUDA 16-bit GEMM's workspace (DESIGN §5), as ((shape, dtype), ...): the landed rows
+  upcast to f16 or bf16 once per call ([cap, 2*depth] bytes), one flag per row tile of the
+  smaller tile and the f16 pass's fallback word (cap // 32 + experts_per_rank + 1:
+  kernels/cuda/gemm1/args.h bf16_flag_words). Empty where the kernel does not apply."""
   if not applies:
     return ((0,), jnp.uint8), ((0,), jnp.uint32)
-  return ((cap, 2 * depth), jnp.uint8), ((cap // min(GEMM_TILE_TOKENS) + experts_per_rank,),
+  return ((cap, 2 * depth), jnp.uint8), ((cap // min(GEMM_TILE_TOKENS) + experts_per_rank + 1,),
                                           jnp.uint32)
 
 

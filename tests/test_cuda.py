@@ -182,10 +182,44 @@ class CudaGemm1Test(parameterized.TestCase):
         np.testing.assert_array_equal(_util.as_bytes(a), _util.as_bytes(b), err_msg=f"tile {tile}")
     self.check_experts(small, landed, w1q, s.swiglu_limit, out_dtype, r)
 
-  def check_experts(self, out, landed, w1q, limit, out_dtype, r):
+  @parameterized.parameters("bf16", "mxfp8")
+  def test_f16_and_bf16_passes_agree(self, out_dtype):
+    """The 16-bit GEMM computes in f16 where every scale of the call keeps its values in f16's
+    range, and redoes the call in bf16 otherwise (kernels/cuda/gemm1/args.h Gemm1Args::fallback):
+    the same numbers either way. One expert's weight scales lowered by 24 (2^-24 times its
+    weights: scale bytes below 112) send the call to bf16; every other expert's rows of h are
+    byte for byte those of the call without it (the f16 pass), and that expert's match the
+    reference. dsv3, 4096 tokens: 128 rows per expert, the large tile."""
+    s = jsm.SHAPES["dsv3"]
+    r = _util.rng()
+    x, ids, w = self.inputs(s, 4096, "uniform", r)
+    # the weights times 2^4 (scale bytes ~117-119; random_w1q's ~113-115 lie close to 112), so
+    # that every scale of the first call is within f16's range (checked: the f16 pass runs)
+    w1q = self.w1q("dsv3")
+    scales = np.asarray(w1q.scales) + np.uint8(4)
+    w1q = jsm.QuantizedW1(w1q.values, on(GPU, jnp.asarray(scales)))
+    x_scales = np.asarray(jsm.quantize(x).scales)
+    for name, b in (("w1", scales), ("x", x_scales)):
+      self.assertTrue(((b >= 112) & (b <= 134)).all(), f"{name}'s scales must be within f16's")
+    tiny = int(r.integers(s.num_experts))
+    low = scales - np.uint8(24) * (np.arange(s.num_experts) == tiny)[:, None, None]
+    self.assertTrue((low[tiny] < 112).all() and (low[tiny] > 0).all())
+    w1q_low = jsm.QuantizedW1(w1q.values, on(GPU, jnp.asarray(low.astype(np.uint8))))
+    cfg, f = local_stage1("dsv3", out_dtype)
+    out_f16, _ = self.run_and_check_layout(s, cfg, f, x, ids, w, w1q)
+    out_bf16, landed = self.run_and_check_layout(s, cfg, f, x, ids, w, w1q_low)
+    offs, cnts = np.asarray(out_f16.expert_offsets), np.asarray(out_f16.expert_counts)
+    other = np.ones(out_f16.expert_offsets.shape[0], bool)
+    other[tiny] = False
+    rows = np.concatenate([np.arange(offs[e], offs[e] + cnts[e]) for e in np.flatnonzero(other)])
+    for a, b in zip(jax.tree.leaves(out_f16.h), jax.tree.leaves(out_bf16.h), strict=True):
+      np.testing.assert_array_equal(_util.as_bytes(a)[rows], _util.as_bytes(b)[rows])
+    self.check_experts(out_bf16, landed, w1q_low, s.swiglu_limit, out_dtype, r, also=(tiny,))
+
+  def check_experts(self, out, landed, w1q, limit, out_dtype, r, also=()):
     offs, cnts = np.asarray(out.expert_offsets), np.asarray(out.expert_counts)
     nonempty = np.flatnonzero(cnts)
-    pick = set(nonempty[:2]) | set(nonempty[-2:]) | {int(np.argmax(cnts))}
+    pick = set(nonempty[:2]) | set(nonempty[-2:]) | {int(np.argmax(cnts))} | set(also)
     pick |= set(r.choice(nonempty, min(4, len(nonempty)), replace=False))
     h = out.h
     got = np.asarray(reference.dequantize(*h)) if out_dtype == "mxfp8" else np.asarray(h, np.float32)

@@ -35,6 +35,11 @@ enum RowPart : int { kAllRows = 0, kHeadRows, kWideRows, kTailRows };
 constexpr int64_t bf16_row_tiles_bound(int64_t m_cap, int EL) {
   return m_cap / kBf16SmallTileTokens + EL;
 }
+// The workspace's flag words: the row tiles' and, after them, the f16 pass's fallback word
+// (Gemm1Args::fallback). jax_sdma_moe/layout.py's bf16_gemm_workspace sizes them by this rule.
+constexpr int64_t bf16_flag_words(int64_t m_cap, int EL) {
+  return bf16_row_tiles_bound(m_cap, EL) + 1;
+}
 
 struct Gemm1Args {
   const uint8_t* a;         // [m_cap, H] e4m3
@@ -60,6 +65,12 @@ struct Gemm1Args {
   // The bf16 kernel's row split (launch_bf16_route): the RowPart of each expert's rows that this
   // launch covers.
   int row_part;
+  // The 16-bit kernel's two passes (launch_bf16_route): the f16 one, exact where every block's
+  // scale keeps its values in f16's range (mx_bf16.cuh f16_scale), sets *fallback (the word after
+  // the row-tile flags, zeroed per call) where one does not; the bf16 launches after it (redo)
+  // then redo the call, and return at once otherwise.
+  uint32_t* fallback;
+  bool redo;
   // Fused with a dispatch (engines ce, sm): the call's epoch is *epoch_counter (on the device, so
   // a replayed CUDA graph reads the right one); the rows are the landing slot of its parity, and
   // expert e's rows may be read once slot_arrival[parity][e * arrival_ranks + s] has reached the

@@ -61,8 +61,10 @@ std::string launch_bf16_route(Gemm1Args g, int64_t weight_rows, int grid,
   if (tile_tokens != kBf16TileTokens && tile_tokens != kBf16SmallTileTokens)
     return "jax_sdma_moe GEMM: tile_tokens must be " + std::to_string(kBf16TileTokens) + " or " +
            std::to_string(kBf16SmallTileTokens) + ", got " + std::to_string(tile_tokens);
-  if (g.xb_ready_count < bf16_row_tiles_bound(g.m_cap, g.EL))
-    return "jax_sdma_moe GEMM: the workspace has too few row-tile flags";
+  if (g.xb_ready_count < bf16_flag_words(g.m_cap, g.EL))
+    return "jax_sdma_moe GEMM: the workspace has too few flag words";
+  const int64_t row_tile_flags = g.xb_ready_count - 1;
+  g.fallback = g.xb_ready + row_tile_flags;
   Bf16RsMaps maps;
   std::string err = tensor_map(&maps.w, g.w, g.H, weight_rows, kBf16WeightBoxRows, kBf16StageK);
   if (err.empty())
@@ -81,13 +83,18 @@ std::string launch_bf16_route(Gemm1Args g, int64_t weight_rows, int grid,
                          {kTailRows, kBf16SmallTileTokens}};
   const bool large = tile_tokens == kBf16TileTokens;
   const Part* parts = large ? split : all;
-  for (int i = 0; i < (large ? 3 : 1) && err.empty(); ++i) {
-    const Part& part = parts[i];
-    g.row_part = part.rows;
-    err = tensor_map(&maps.xb, g.xb, 2 * g.H, g.m_cap, part.tokens, 128);
-    if (!err.empty()) break;
-    cudaMemsetAsync(g.xb_ready, 0, size_t(g.xb_ready_count) * sizeof(uint32_t), stream);
-    launch_sm90_mx_bf16_rs(g, maps, grid, stream, swiglu, part.tokens);
+  // the f16 pass, then the bf16 one, which runs only where the f16 one set g.fallback
+  cudaMemsetAsync(g.fallback, 0, sizeof(uint32_t), stream);
+  for (const bool f16 : {true, false}) {
+    g.redo = !f16;
+    for (int i = 0; i < (large ? 3 : 1) && err.empty(); ++i) {
+      const Part& part = parts[i];
+      g.row_part = part.rows;
+      err = tensor_map(&maps.xb, g.xb, 2 * g.H, g.m_cap, part.tokens, 128);
+      if (!err.empty()) break;
+      cudaMemsetAsync(g.xb_ready, 0, size_t(row_tile_flags) * sizeof(uint32_t), stream);
+      launch_sm90_mx_bf16_rs(g, maps, grid, stream, swiglu, part.tokens, f16);
+    }
   }
   return err;
 }

@@ -1,6 +1,7 @@
-// Exact MX-fp8 -> bf16 in registers for the bf16 GEMM kernel (sm90_mx_bf16_rs.cu): an e4m3 byte
-// times its block's E8M0 scale is exactly a bf16, four bytes at a time; and the permuted K order
-// of a 128-deep stage, shared by the kernel's consumers (weights) and its transform (tokens).
+// Exact MX-fp8 -> bf16 or f16 in registers for the 16-bit GEMM kernel (sm90_mx_bf16_rs.cu): an
+// e4m3 byte times its block's E8M0 scale is exactly a bf16 (and, for most scales, an f16), four
+// bytes at a time; and the permuted K order of a 128-deep stage, shared by the kernel's consumers
+// (weights) and its transform (tokens).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -50,6 +51,38 @@ __device__ __forceinline__ void upcast4(uint32_t w, uint32_t factor, bool slow, 
   hi = mul_bf16x2(b, factor);
 }
 
+// The f16 form (the default pass, gemm1/launch.cu): an e4m3 byte is exactly an f16, two bytes to
+// one cvt.rn.f16x2.e4m3x2 (half the instructions of upcast4's bf16 form), and its value times
+// 2^(e - 127) is still exactly an f16 where f16_scale(e) holds, 112 <= e <= 134: values from
+// 2^-9 * 2^-15 = 2^-24 (f16's least subnormal) to 448 * 2^7 < 65504. f16 wgmma sums the exact
+// products in float32 as bf16 wgmma does. A block outside that range, or with the NaN scale,
+// sends the call to the bf16 form (Gemm1Args::fallback).
+__device__ __forceinline__ bool f16_scale(uint32_t e) { return e - 112u <= 22u; }
+
+// 2^(e - 127) as f16 bits in both halves, for f16_scale(e) (2^-15: the subnormal 0x0200).
+__device__ __forceinline__ uint32_t factor_f16x2(uint32_t e) {
+  return (e >= 113 ? (e - 112) << 10 : 0x0200u) * 0x10001u;
+}
+
+__device__ __forceinline__ uint32_t mul_f16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm volatile("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// Four e4m3 bytes of w -> f16x2 lo (bytes 0, 1) and hi (bytes 2, 3), dequantised by `factor`
+// (factor_f16x2).
+__device__ __forceinline__ void upcast4_f16(uint32_t w, uint32_t factor, uint32_t& lo,
+                                            uint32_t& hi) {
+  uint32_t a, b;
+  asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\n"
+      "cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(a), "=r"(b)
+      : "r"(w));
+  lo = mul_f16x2(a, factor);
+  hi = mul_f16x2(b, factor);
+}
+
 // The K order of a stage (128 elements: four MX blocks). `wgmma` sums over K in any order, so
 // a stage's K is permuted such that each consumer thread's A fragments come from ONE MX block of
 // its weight rows: thread tig of a quad reads block tig of the stage (32 bytes, two conflict-free
@@ -61,15 +94,18 @@ __device__ __forceinline__ void upcast4(uint32_t w, uint32_t factor, bool slow, 
 // 0-1 (q = 0) or 2-3 (q = 1) of word 2 lb + s of blocks tig = 0..3.
 //
 // One stage of a token row (blocks in[tig] = 32 fp8 values, scale bytes e[tig]) -> 256 bytes of
-// bf16 in the workspace in that order.
-__device__ __forceinline__ void upcast_stage(const uint4 (&in)[4][2], const uint32_t (&e)[4],
+// bf16 (kF16: f16) in the workspace in that order. Returns false where kF16 and a scale is
+// outside f16's range (f16_scale): the bytes written are then not the values.
+template <bool kF16>
+__device__ __forceinline__ bool upcast_stage(const uint4 (&in)[4][2], const uint32_t (&e)[4],
                                              uint8_t* dst) {
-  bool slow[4];
+  bool slow[4], exact = true;
   uint32_t f[4];
 #pragma unroll
   for (int b = 0; b < 4; ++b) {
-    slow[b] = !fast_scale(e[b]);
-    f[b] = factor_bf16x2(e[b], slow[b]);
+    slow[b] = !kF16 && !fast_scale(e[b]);
+    exact &= !kF16 || f16_scale(e[b]);
+    f[b] = kF16 ? factor_f16x2(e[b]) : factor_bf16x2(e[b], slow[b]);
   }
 #pragma unroll
   for (int lb = 0; lb < 4; ++lb)
@@ -80,12 +116,14 @@ __device__ __forceinline__ void upcast_stage(const uint4 (&in)[4][2], const uint
       for (int b = 0; b < 4; ++b) {
         const uint4& v = in[b][lb / 2];  // bytes 16 (lb / 2) .. of block b
         const uint32_t w = lb % 2 ? (step ? v.w : v.z) : (step ? v.y : v.x);
-        upcast4(w, f[b], slow[b], lo[b], hi[b]);
+        if (kF16) upcast4_f16(w, f[b], lo[b], hi[b]);
+        else upcast4(w, f[b], slow[b], lo[b], hi[b]);
       }
       reinterpret_cast<uint4*>(dst)[4 * lb + 2 * step] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
       reinterpret_cast<uint4*>(dst)[4 * lb + 2 * step + 1] =
           make_uint4(hi[0], hi[1], hi[2], hi[3]);
     }
+  return exact;
 }
 
 }  // namespace sm90_bf16

@@ -109,12 +109,13 @@ __device__ __forceinline__ void wgmma_wait() {
 #define JSM_WGMMA_ACC76 \
   JSM_WGMMA_ACC64, JSM_WGMMA_ACC4(64), JSM_WGMMA_ACC4(68), JSM_WGMMA_ACC4(72)
 #define JSM_WGMMA_ACC128 JSM_WGMMA_ACC64, JSM_WGMMA_ACC64_AT(64)
-// An m64nNk16 bf16 x bf16 += float32 wgmma (scale-d 1): D its accumulators' names, A the A
-// operand's and B's descriptor's, TRANS the transpose flags after the scales (", 0, 0" with A
-// from shared memory, ", 0" from registers).
-#define JSM_WGMMA_BF16(N, D, A, TRANS)                                              \
+// An m64nNk16 TYPE x TYPE += float32 wgmma (scale-d 1; TYPE bf16 or f16): D its accumulators'
+// names, A the A operand's and B's descriptor's, TRANS the transpose flags after the scales
+// (", 0, 0" with A from shared memory, ", 0" from registers).
+#define JSM_WGMMA_16(N, TYPE, D, A, TRANS)                                          \
   "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n" #N   \
-  "k16.f32.bf16.bf16 {" D "}, " A ", p, 1, 1" TRANS ";\n}\n"
+  "k16.f32." TYPE "." TYPE " {" D "}, " A ", p, 1, 1" TRANS ";\n}\n"
+#define JSM_WGMMA_BF16(N, D, A, TRANS) JSM_WGMMA_16(N, "bf16", D, A, TRANS)
 
 // d = A (64 x 32 e4m3, K-major) * B (128 x 32 e4m3, K-major)^T, a fresh float32 accumulator.
 __device__ __forceinline__ void wgmma_m64n128k32(float* d, uint64_t desc_a, uint64_t desc_b) {
@@ -127,18 +128,25 @@ __device__ __forceinline__ void wgmma_m64n128k32(float* d, uint64_t desc_a, uint
 
 // d (64 x N float32) += A (64 x 16 bf16 from registers: each warp's 16 rows as the mma.m16n8k16
 // A fragment) * B (N x 16 bf16, K-major in shared memory, `desc_b`)^T. d[4 j + 2 h + c] is row
-// g + 8 h, B row 8 j + 2 tig + c. N: 128, 152 (a tile and a tail of up to 24) or 32.
-#define JSM_WGMMA_RS(N, n)                                                        \
-  asm volatile(JSM_WGMMA_BF16(N, JSM_WGMMA_D##n, JSM_WGMMA_IN##n, ", 0")           \
+// g + 8 h, B row 8 j + 2 tig + c. N: 128, 152 (a tile and a tail of up to 24) or 32. kF16: A and
+// B f16, else bf16.
+#define JSM_WGMMA_RS(N, n, TYPE)                                                  \
+  asm volatile(JSM_WGMMA_16(N, TYPE, JSM_WGMMA_D##n, JSM_WGMMA_IN##n, ", 0")       \
                : JSM_WGMMA_ACC##n                                                \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b))
-template <int N>
-__device__ __forceinline__ void wgmma_m64nk16_bf16_rs(float* d, const uint32_t (&a)[4],
-                                                      uint64_t desc_b) {
+template <int N, bool kF16 = false>
+__device__ __forceinline__ void wgmma_m64nk16_rs(float* d, const uint32_t (&a)[4],
+                                                 uint64_t desc_b) {
   static_assert(N == 128 || N == 152 || N == 32, "the wgmma shapes wrapped here");
-  if constexpr (N == 128) JSM_WGMMA_RS(128, 64);
-  else if constexpr (N == 152) JSM_WGMMA_RS(152, 76);
-  else JSM_WGMMA_RS(32, 16);
+  if constexpr (kF16) {
+    if constexpr (N == 128) JSM_WGMMA_RS(128, 64, "f16");
+    else if constexpr (N == 152) JSM_WGMMA_RS(152, 76, "f16");
+    else JSM_WGMMA_RS(32, 16, "f16");
+  } else {
+    if constexpr (N == 128) JSM_WGMMA_RS(128, 64, "bf16");
+    else if constexpr (N == 152) JSM_WGMMA_RS(152, 76, "bf16");
+    else JSM_WGMMA_RS(32, 16, "bf16");
+  }
 }
 
 __device__ __forceinline__ void mbar_init(uint64_t* b, uint32_t count) {

@@ -227,7 +227,7 @@ __device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared<kTok>& sh
 // start; each thread upcasts one stage (four blocks, their loads in flight together: the loop is
 // latency-bound) of a row at a time. The rows come from g.a at their landed row, or in engine
 // local's fused call at their token's row (g.source_rows). t: 0..95.
-template <class Scheduler>
+template <bool kF16, class Scheduler>
 __device__ __forceinline__ void transform_row_tiles(const Gemm1Args& g, const Scheduler& sched,
                                                     int t) {
   const int items = sched.total(g) / Scheduler::n_tiles(g) * kChunks, nks = int(g.H / KS);
@@ -253,7 +253,7 @@ __device__ __forceinline__ void transform_row_tiles(const Gemm1Args& g, const Sc
         in[b][1] = src[2 * b + 1];
         e[b] = g.a_scales[from / kBlock + b];
       }
-      upcast_stage(in, e, g.xb + at * 2);
+      if (!upcast_stage<kF16>(in, e, g.xb + at * 2)) *g.fallback = 1;  // the bf16 pass redoes it
     }
     asm volatile("fence.proxy.async.global;" ::: "memory");  // other CTAs' TMA reads them next
     transform_barrier();
@@ -336,10 +336,12 @@ __device__ __forceinline__ void load_half(RawHalf& raw, uint32_t w_base, int cw,
 
 // The factors of the rows' scale bytes of the stage (sk: the stage's first in the super-stage
 // `sc`). The two-step multiply is chosen per warp: both forms give the same bf16 wherever the
-// one-step form applies, so a warp's choice does not change the result.
-template <bool kSwiglu>
-__device__ __forceinline__ void stage_factors(StageFactors& sf, const ScaleStage& sc, int sk,
-                                              int cw, int row_g, int tig) {
+// one-step form applies, so a warp's choice does not change the result. kF16: f16 factors, and
+// `slow` a scale outside f16's range, which sets g.fallback (the bf16 pass redoes the call).
+template <bool kSwiglu, bool kF16>
+__device__ __forceinline__ void stage_factors(const Gemm1Args& g, StageFactors& sf,
+                                              const ScaleStage& sc, int sk, int cw, int row_g,
+                                              int tig) {
   uint32_t e[2][2];
   bool slow = false;
 #pragma unroll
@@ -347,17 +349,19 @@ __device__ __forceinline__ void stage_factors(StageFactors& sf, const ScaleStage
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       e[part][h] = sc.w[stage_row<kSwiglu>(cw, part, row_g + 8 * h)][sk + tig];
-      slow |= !fast_scale(e[part][h]);
+      slow |= kF16 ? !f16_scale(e[part][h]) : !fast_scale(e[part][h]);
     }
   sf.slow = __any_sync(0xFFFFFFFFu, slow);
+  if (kF16 && sf.slow) *g.fallback = 1;
 #pragma unroll
   for (int part = 0; part < 2; ++part)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) sf.f[part][h] = factor_bf16x2(e[part][h], sf.slow);
+    for (int h = 0; h < 2; ++h)
+      sf.f[part][h] = kF16 ? factor_f16x2(e[part][h]) : factor_bf16x2(e[part][h], sf.slow);
 }
 
 // Logical block lb's fragments (j = lb % 2: its half of raw's 16 bytes per row).
-template <bool kSlow>
+template <bool kSlow, bool kF16>
 __device__ __forceinline__ void upcast_frags(Frags& f, const RawHalf& raw, const StageFactors& sf,
                                              int j) {
 #pragma unroll
@@ -366,8 +370,13 @@ __device__ __forceinline__ void upcast_frags(Frags& f, const RawHalf& raw, const
     for (int h = 0; h < 2; ++h) {
       const uint4& v = raw.v[part][h];
       // A registers: 0 = (row g, k 2tig..), 1 = (row g+8, k 2tig..), 2 = (row g, k 8+2tig..), 3
-      upcast4(j ? v.z : v.x, sf.f[part][h], kSlow, f.r[part][0][h], f.r[part][0][2 + h]);
-      upcast4(j ? v.w : v.y, sf.f[part][h], kSlow, f.r[part][1][h], f.r[part][1][2 + h]);
+      if (kF16) {
+        upcast4_f16(j ? v.z : v.x, sf.f[part][h], f.r[part][0][h], f.r[part][0][2 + h]);
+        upcast4_f16(j ? v.w : v.y, sf.f[part][h], f.r[part][1][h], f.r[part][1][2 + h]);
+      } else {
+        upcast4(j ? v.z : v.x, sf.f[part][h], kSlow, f.r[part][0][h], f.r[part][0][2 + h]);
+        upcast4(j ? v.w : v.y, sf.f[part][h], kSlow, f.r[part][1][h], f.r[part][1][2 + h]);
+      }
     }
   }
 }
@@ -378,7 +387,7 @@ __device__ __forceinline__ void upcast_frags(Frags& f, const RawHalf& raw, const
 // b_desc: the descriptor of the stage's token rows (smem_desc_addr of Stage::x); a block's and
 // step's descriptor adds its byte offset / 16 to the address field (no carry: shared memory
 // addresses stay below 2^18), a constant, so the loop computes no address per instruction.
-template <int kTok>
+template <int kTok, bool kF16>
 __device__ __forceinline__ void issue_block(float (&gate)[kTok / 2], float (&up)[kTok / 2],
                                             Frags& f, uint64_t b_desc, int blk) {
   fence_frags(f);
@@ -388,8 +397,8 @@ __device__ __forceinline__ void issue_block(float (&gate)[kTok / 2], float (&up)
 #pragma unroll
   for (int s = 0; s < 2; ++s) {
     const uint64_t desc = b_desc + uint64_t(((blk / 2) * kTok * KS + (blk % 2) * 64 + s * 32) >> 4);
-    wgmma_m64nk16_bf16_rs<kTok>(gate, f.r[0][s], desc);
-    wgmma_m64nk16_bf16_rs<kTok>(up, f.r[1][s], desc);
+    wgmma_m64nk16_rs<kTok, kF16>(gate, f.r[0][s], desc);
+    wgmma_m64nk16_rs<kTok, kF16>(up, f.r[1][s], desc);
   }
   wgmma_commit();
   fence_acc(gate);
@@ -490,7 +499,7 @@ __device__ __forceinline__ void epilogue(const Gemm1Args& g, const Tile& t, floa
 // stage is freed at block 1 of the next one, once all its blocks have retired (wgmma reads its
 // token rows), a scale super-stage once its last fragments are in registers.
 // gate, up: [32 * half + the fragment index] for tokens 64 * half ..; f0, f1: the caller's.
-template <bool kSwiglu, int kTok>
+template <bool kSwiglu, int kTok, bool kF16>
 __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared<kTok>& sh, const Tile& t,
                                              int num_k, uint32_t& consumed, int cw, int tid,
                                              float (&gate)[kTok / 2], float (&up)[kTok / 2],
@@ -519,7 +528,7 @@ __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared<kTok>& s
       const uint32_t w_base = smem_addr(sh.s[slot].w);
       const uint64_t b_desc = smem_desc_addr(smem_addr(sh.s[slot].x));
       StageFactors sf;
-      stage_factors<kSwiglu>(sf, sc, sk, cw, row_g, tig);
+      stage_factors<kSwiglu, kF16>(g, sf, sc, sk, cw, row_g, tig);
       RawHalf raw;
 #pragma unroll
       for (int blk = 0; blk < NB; ++blk) {
@@ -529,9 +538,12 @@ __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared<kTok>& s
         fence_frags(f);
         // at block 1: the previous stage has retired, its slot is free
         if (blk == 1 && ks > 0) release(&sh.empty[before]);
-        if (sf.slow) upcast_frags<true>(f, raw, sf, blk % 2);
-        else upcast_frags<false>(f, raw, sf, blk % 2);
-        issue_block<kTok>(gate, up, f, b_desc, blk);
+        // kF16: both branches run the same upcast (its result is redone in bf16 where slow):
+        // with one path, ptxas serialises the wgmma (C7513: non-wgmma instructions defining
+        // their input registers)
+        if (sf.slow) upcast_frags<true, kF16>(f, raw, sf, blk % 2);
+        else upcast_frags<false, kF16>(f, raw, sf, blk % 2);
+        issue_block<kTok, kF16>(gate, up, f, b_desc, blk);
       }
     } else if (ks > 0) {
       release(&sh.empty[before]);
@@ -551,11 +563,14 @@ __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared<kTok>& s
   if constexpr (kEpiInSlot<kTok>) release(&sh.empty[last]);  // the staging is free (its barrier)
 }
 
-// The kernel body of both GEMMs (kSwiglu: see SchedulerFor). maps: see Bf16RsMaps (kernels.h).
-template <bool kSwiglu, int kTok>
+// The kernel body of both GEMMs (kSwiglu: see SchedulerFor) in f16 or bf16 (kF16; Gemm1Args::
+// fallback). maps: see Bf16RsMaps (kernels.h).
+template <bool kSwiglu, int kTok, bool kF16>
 __device__ __forceinline__ void gemm_body(const Gemm1Args& g_in, const Bf16RsMaps& maps) {
   using Scheduler = SchedulerFor<kSwiglu, kTok>;
   constexpr int STAGES = kStages<kTok>;
+  // the bf16 pass after an f16 one runs only where that one met a scale outside f16's range
+  if (!kF16 && g_in.redo && *static_cast<volatile const uint32_t*>(g_in.fallback) == 0) return;
   const Gemm1Args g = resolve_slot(g_in);
   extern __shared__ uint8_t smem_raw[];
   // 1024-aligned (the swizzle patterns), as an offset from smem_raw so that the compiler keeps
@@ -581,7 +596,7 @@ __device__ __forceinline__ void gemm_body(const Gemm1Args& g_in, const Bf16RsMap
     Registers<kTok>::producer();
     if (tid < kWarp)
       load_stages<kSwiglu, kTok>(g, sh, sched, &maps.xb, &maps.w, &maps.w_scales, tid);
-    else transform_row_tiles(g, sched, tid - kWarp);
+    else transform_row_tiles<kF16>(g, sched, tid - kWarp);
     return;
   }
 
@@ -593,20 +608,21 @@ __device__ __forceinline__ void gemm_body(const Gemm1Args& g_in, const Bf16RsMap
   Frags f0 = {}, f1 = {};
   for (int w = blockIdx.x; w < total; w += gridDim.x) {
     const Tile t = sched.tile(g, w);
-    consume_tile<kSwiglu, kTok>(g, sh, t, num_k, consumed, cw, tid, gate, up, f0, f1, ring);
+    consume_tile<kSwiglu, kTok, kF16>(g, sh, t, num_k, consumed, cw, tid, gate, up, f0, f1,
+                                      ring);
   }
 }
 
-// One kernel per GEMM (kSwiglu) and tile width (kTok).
-template <bool kSwiglu, int kTok>
+// One kernel per GEMM (kSwiglu), tile width (kTok) and 16-bit type (kF16).
+template <bool kSwiglu, int kTok, bool kF16>
 __global__ void __launch_bounds__(kWsThreads, 1)
     gemm_sm90_mx_bf16_rs(const Gemm1Args g, const __grid_constant__ Bf16RsMaps maps) {
-  gemm_body<kSwiglu, kTok>(g, maps);
+  gemm_body<kSwiglu, kTok, kF16>(g, maps);
 }
 
-template <bool kSwiglu, int kTok>
+template <bool kSwiglu, int kTok, bool kF16>
 void launch(const Gemm1Args& g, const Bf16RsMaps& maps, int grid, cudaStream_t stream) {
-  auto kernel = gemm_sm90_mx_bf16_rs<kSwiglu, kTok>;
+  auto kernel = gemm_sm90_mx_bf16_rs<kSwiglu, kTok, kF16>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<kTok>);
   kernel<<<grid, kWsThreads, kSmemBytes<kTok>, stream>>>(g, maps);
 }
@@ -616,27 +632,37 @@ void launch(const Gemm1Args& g, const Bf16RsMaps& maps, int grid, cudaStream_t s
 cudaError_t load_sm90_mx_bf16_rs() {
   using namespace sm90_bf16;
   static std::atomic<uint64_t> loaded{0};
-  return load_kernels_once(loaded, gemm_sm90_mx_bf16_rs<true, kBf16TileTokens>,
-                           gemm_sm90_mx_bf16_rs<true, kBf16WideTileTokens>,
-                           gemm_sm90_mx_bf16_rs<true, kBf16SmallTileTokens>,
-                           gemm_sm90_mx_bf16_rs<false, kBf16TileTokens>,
-                           gemm_sm90_mx_bf16_rs<false, kBf16WideTileTokens>,
-                           gemm_sm90_mx_bf16_rs<false, kBf16SmallTileTokens>);
+  return load_kernels_once(loaded, gemm_sm90_mx_bf16_rs<true, kBf16TileTokens, true>,
+                           gemm_sm90_mx_bf16_rs<true, kBf16WideTileTokens, true>,
+                           gemm_sm90_mx_bf16_rs<true, kBf16SmallTileTokens, true>,
+                           gemm_sm90_mx_bf16_rs<false, kBf16TileTokens, true>,
+                           gemm_sm90_mx_bf16_rs<false, kBf16WideTileTokens, true>,
+                           gemm_sm90_mx_bf16_rs<false, kBf16SmallTileTokens, true>,
+                           gemm_sm90_mx_bf16_rs<true, kBf16TileTokens, false>,
+                           gemm_sm90_mx_bf16_rs<true, kBf16WideTileTokens, false>,
+                           gemm_sm90_mx_bf16_rs<true, kBf16SmallTileTokens, false>,
+                           gemm_sm90_mx_bf16_rs<false, kBf16TileTokens, false>,
+                           gemm_sm90_mx_bf16_rs<false, kBf16WideTileTokens, false>,
+                           gemm_sm90_mx_bf16_rs<false, kBf16SmallTileTokens, false>);
 }
 
 void launch_sm90_mx_bf16_rs(const Gemm1Args& g, const Bf16RsMaps& maps, int grid,
-                            cudaStream_t stream, bool swiglu, int tile_tokens) {
+                            cudaStream_t stream, bool swiglu, int tile_tokens, bool f16) {
   using namespace sm90_bf16;
-  auto launch_width = [&](auto swiglu_tag) {
-    constexpr bool kSwiglu = decltype(swiglu_tag)::value;
+  auto launch_width = [&](auto swiglu_tag, auto f16_tag) {
+    constexpr bool kSwiglu = decltype(swiglu_tag)::value, kF16 = decltype(f16_tag)::value;
     if (tile_tokens == kBf16SmallTileTokens)
-      launch<kSwiglu, kBf16SmallTileTokens>(g, maps, grid, stream);
+      launch<kSwiglu, kBf16SmallTileTokens, kF16>(g, maps, grid, stream);
     else if (tile_tokens == kBf16WideTileTokens)
-      launch<kSwiglu, kBf16WideTileTokens>(g, maps, grid, stream);
-    else launch<kSwiglu, kBf16TileTokens>(g, maps, grid, stream);
+      launch<kSwiglu, kBf16WideTileTokens, kF16>(g, maps, grid, stream);
+    else launch<kSwiglu, kBf16TileTokens, kF16>(g, maps, grid, stream);
   };
-  if (swiglu) launch_width(std::true_type{});
-  else launch_width(std::false_type{});
+  auto launch_type = [&](auto swiglu_tag) {
+    if (f16) launch_width(swiglu_tag, std::true_type{});
+    else launch_width(swiglu_tag, std::false_type{});
+  };
+  if (swiglu) launch_type(std::true_type{});
+  else launch_type(std::false_type{});
 }
 
 }  // namespace gemm1
