@@ -99,6 +99,26 @@ LAYOUT_FIELDS = ("expert_offsets", "expert_counts", "src_rank", "src_token", "to
 LANDED_FIELDS = tuple(f for f in LAYOUT_FIELDS if f not in ("num_invalid", "send_pos"))
 
 
+def scattered_send_pos(r, T, K):
+  """A send_pos that is not route's: distinct positions with gaps between the used rows, a fifth
+  of the slots unrouted (-1), some positions past S = T * K (no send row: qpack stores nothing for
+  them). Returns it [T, K] and the send rows it uses, sorted."""
+  S = T * K
+  pos = r.permutation(S + 1000)[:S].astype(np.int32)
+  pos[r.random(S) < 0.2] = -1
+  return jnp.asarray(pos.reshape(T, K)), np.sort(pos[(pos >= 0) & (pos < S)])
+
+
+def assert_send_buffers_equal(got, want, used):
+  """Every header (the unused rows' -1 / 0 too) and the used rows' bytes, the others unspecified."""
+  for name, a, b in zip(got._fields, got, want):
+    a, b = as_bytes(a), as_bytes(b)
+    if name in ("token", "slot", "weight"):
+      np.testing.assert_array_equal(a, b, err_msg=name)
+    else:
+      np.testing.assert_array_equal(a[used], b[used], err_msg=name)
+
+
 def as_bytes(a):
   a = np.asarray(a)
   return a.view(np.uint8) if a.dtype.itemsize == 1 else a.view(f"u{a.dtype.itemsize}")

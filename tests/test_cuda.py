@@ -105,6 +105,20 @@ class CudaStagesTest(parameterized.TestCase):
           np.testing.assert_array_equal(a[:used], b[:used], err_msg=name)
 
 
+  def test_pack_any_send_pos(self):
+    """qpack's unused rows' headers come from the kernel's first blocks (spans of send rows marked
+    in a bitmap): with send_pos not route's (gaps between the used rows, unrouted slots, rows past
+    S, which nothing writes) and more spans than those blocks (S > 64 * 16384: they loop), every
+    header is the reference's and every used row its token's bytes."""
+    r = _util.rng()
+    T, K, H = 140_000, 8, 32
+    send_pos, used = _util.scattered_send_pos(r, T, K)
+    x = jnp.asarray(r.standard_normal((T, H)), jnp.bfloat16)
+    w = jnp.asarray(r.random((T, K)), jnp.float32)
+    got = jax.jit(primitives.qpack)(on(GPU, x), on(GPU, w), on(GPU, send_pos))
+    want = cpu_ref(lambda x, w, p: reference.pack(reference.quantize(x), w, p), x, w, send_pos)
+    _util.assert_send_buffers_equal(got, want, used)
+
 SHAPE_CASES = [(f"{s}_T{T}_{routing}", s, T, routing) for s, T, routing in
                [(s, T, "uniform") for s in ("small", "dsv3", "v4pro") for T in (1, 7, 128, 4096)]
                + [("dsv3", 4096, "skewed"), ("small", 128, "skewed"), ("v4pro", 128, "skewed"),

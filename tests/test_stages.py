@@ -45,6 +45,16 @@ class LocalStagesTest(parameterized.TestCase):
     got = jax.jit(primitives.pack)(jsm.quantize(x), w, rt.send_pos)
     assert_tree_equal(got, want)
 
+  def test_qpack_any_send_pos(self):
+    """send_pos need not be route's: gaps between used rows, positions past S (stored nowhere)."""
+    r = _util.rng()
+    T, K, H = 301, 4, 64
+    send_pos, used = _util.scattered_send_pos(r, T, K)
+    x = jnp.asarray(r.standard_normal((T, H)), jnp.bfloat16)
+    w = jnp.asarray(r.random((T, K)), jnp.float32)
+    want = reference.pack(reference.quantize(x), w, send_pos)
+    _util.assert_send_buffers_equal(jax.jit(primitives.qpack)(x, w, send_pos), want, used)
+
   @parameterized.parameters("uniform", "masked")
   def test_token_rows(self, routing):
     """qpack / pack with token_rows (engine local's fused call on CUDA): one row per token, the

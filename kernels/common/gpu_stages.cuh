@@ -69,66 +69,64 @@ __global__ void quantize_kernel(const In* x, int64_t blocks, uint8_t* values, ui
   }
 }
 
-// route, parallel form (two launches, one block per expert): block e scans all ids in order, so
-// positions keep the (token, slot) order without a sort; E blocks x T*K ids are L2 reads, four ids
-// per 16-byte load where the ids are 16-byte aligned (XLA's buffers are): a block's loads are then
-// a few rounds deep, not T*K / blockDim (the scan is latency-bound, not bandwidth-bound).
-// Launch 1, grid E + 1: block e < E counts id == e; block E counts ids >= E and writes -1 to the
-// send_pos of every id outside [0, E).
-constexpr int kRouteThreads = 1024;
-__global__ void route_count_kernel(const int32_t* ids, int64_t n, int32_t E, int32_t* send_counts,
-                                   int32_t* send_pos, int32_t* num_invalid) {
-  __shared__ int32_t warp_sums[kRouteThreads / kWarp];
-  const int e = blockIdx.x;
-  int count = 0;
-  auto visit = [&](int64_t i, int32_t id) {
-    if (e < E) {
-      count += id == e;
-    } else {
-      count += id >= E;
-      if (id < 0 || id >= E) send_pos[i] = -1;
-    }
-  };
-  const int64_t n4 = reinterpret_cast<uintptr_t>(ids) % 16 == 0 ? n / 4 : 0;
-#pragma unroll 4
-  for (int64_t j = threadIdx.x; j < n4; j += blockDim.x) {
-    const int4 v = reinterpret_cast<const int4*>(ids)[j];
-    visit(4 * j, v.x), visit(4 * j + 1, v.y), visit(4 * j + 2, v.z), visit(4 * j + 3, v.w);
-  }
-  for (int64_t i = 4 * n4 + threadIdx.x; i < n; i += blockDim.x) visit(i, ids[i]);
-  count = wave_sum(count);
-  if (threadIdx.x % kWarp == 0) warp_sums[threadIdx.x / kWarp] = count;
+// The sum of v over the block's threads, returned to every thread; warp_sums holds one int per
+// wave of the block and is free again on return.
+__device__ __forceinline__ int block_sum(int v, int32_t* warp_sums) {
+  v = wave_sum(v);
+  if (threadIdx.x % kWarp == 0) warp_sums[threadIdx.x / kWarp] = v;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int total = 0;
-    for (int w = 0; w < int(blockDim.x / kWarp); ++w) total += warp_sums[w];
-    if (e < E) send_counts[e] = total; else *num_invalid = total;
-  }
+  int total = 0;
+  for (int w = 0; w < int(blockDim.x / kWarp); ++w) total += warp_sums[w];
+  __syncthreads();
+  return total;
 }
 
-// Launch 2, grid E, kRouteThreads threads: block e places its ids after the segments of experts
-// < e. Each thread takes kPlacePerThread consecutive ids of a chunk, so the three block barriers
-// of a chunk are paid once per 8192 ids (a chunk of one id per thread paid them per 1024).
+// route in one launch, grid E + 1, one block per expert: block e scans all ids in order, so
+// positions keep the (token, slot) order without a sort. E blocks x T*K ids are L2 reads, four
+// ids per 16-byte load where the ids are 16-byte aligned (XLA's buffers are): a block's loads are
+// then a few rounds deep, not T*K / blockDim (the scan is latency-bound, not bandwidth-bound).
+// Block e < E first counts the ids in [0, e) (its segment's start: a second scan in place of a
+// second launch), then places its ids and writes its count; block E
+// counts the ids >= E and writes -1 to the send_pos of every id outside [0, E).
+constexpr int kRouteThreads = 1024;
+// Each thread takes kPlacePerThread consecutive ids of a chunk, so the three block barriers of a
+// chunk are paid once per 8192 ids (a chunk of one id per thread paid them per 1024).
 constexpr int kPlacePerThread = 8;  // two 16-byte loads of ids
-__global__ void route_place_kernel(const int32_t* ids, int64_t n, int32_t E,
-                                   const int32_t* send_counts, int32_t* send_pos) {
+// Two blocks per SM (32 registers a thread on sm_90): the E + 1 blocks in one wave of 132 SMs.
+__global__ void __launch_bounds__(kRouteThreads, 2)
+    route_kernel(const int32_t* ids, int64_t n, int32_t E, int32_t* send_counts,
+                 int32_t* send_pos, int32_t* num_invalid) {
   __shared__ int32_t warp_sums[kRouteThreads / kWarp];
   __shared__ int32_t base;
   const int e = blockIdx.x, warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int warps = blockDim.x / kWarp;
-  int before = 0;
-  for (int j = threadIdx.x; j < e; j += blockDim.x) before += send_counts[j];
-  before = wave_sum(before);
-  if (lane == 0) warp_sums[warp] = before;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int total = 0;
-    for (int w = 0; w < warps; ++w) total += warp_sums[w];
-    base = total;
+  const bool aligned = reinterpret_cast<uintptr_t>(ids) % 16 == 0;
+  int count = 0;
+  auto visit = [&](int64_t i, int32_t id) {
+    if (e < E) {
+      count += uint32_t(id) < uint32_t(e);  // 0 <= id < e
+    } else {
+      count += id >= E;  // num_invalid counts ids past E; masked ids (< 0) are not invalid
+      if (id < 0 || id >= E) send_pos[i] = -1;
+    }
+  };
+  const int64_t n4 = aligned ? n / 4 : 0;
+  if (e > 0) {  // block 0's segment starts at 0
+#pragma unroll 4
+    for (int64_t j = threadIdx.x; j < n4; j += blockDim.x) {
+      const int4 v = reinterpret_cast<const int4*>(ids)[j];
+      visit(4 * j, v.x), visit(4 * j + 1, v.y), visit(4 * j + 2, v.z), visit(4 * j + 3, v.w);
+    }
+    for (int64_t i = 4 * n4 + threadIdx.x; i < n; i += blockDim.x) visit(i, ids[i]);
   }
+  const int start = block_sum(count, warp_sums);
+  if (e == E) {
+    if (threadIdx.x == 0) *num_invalid = start;
+    return;
+  }
+  if (threadIdx.x == 0) base = start;
   __syncthreads();
   const int64_t per_chunk = int64_t(blockDim.x) * kPlacePerThread;
-  const bool aligned = reinterpret_cast<uintptr_t>(ids) % 16 == 0;
   for (int64_t chunk = 0; chunk < n; chunk += per_chunk) {
     const int64_t i0 = chunk + int64_t(threadIdx.x) * kPlacePerThread;
     bool hit[kPlacePerThread];
@@ -166,6 +164,7 @@ __global__ void route_place_kernel(const int32_t* ids, int64_t n, int32_t E,
     if (threadIdx.x == 0) base += chunk_total;
     __syncthreads();
   }
+  if (threadIdx.x == 0) send_counts[e] = base - start;
 }
 
 // qpack / pack: one warp per token; lane j handles MX blocks j, j + kWarp, ...; each block is
@@ -174,14 +173,56 @@ __global__ void route_place_kernel(const int32_t* ids, int64_t n, int32_t E,
 // blocks of a round (1 KB of fp8 on CUDA, 2 KB on CDNA) go through shared memory so each store
 // instruction writes 16 * kWarp contiguous bytes, 16 per lane: stored straight from the lanes,
 // each instruction would cover every other 16 bytes of the row (half of every line).
+//
+// The send rows no (token, slot) goes to get token = slot = -1, weight 0 from the same launch:
+// its first header_blocks blocks each take spans of kHeaderSpan send rows, mark in shared memory
+// the rows send_pos points into (a scan of send_pos per span, from L2) and write the others'
+// headers; the token warps write only marked rows, so the two never meet. With route's one
+// launch the stage is two launches, not six (three memsets, route's two passes): docs/PERF.md §3.
 constexpr int kPackThreads = 256, kPackWarps = kPackThreads / kWarp;
+constexpr int kHeaderSpan = 16384;        // send rows per span: a 2 KB bitmap
+constexpr int64_t kMaxHeaderBlocks = 64;  // spans past them loop
+__device__ __forceinline__ void unused_row_headers(const int32_t* send_pos, int64_t n, int64_t S,
+                                                   int64_t block, int64_t blocks, uint32_t* used,
+                                                   int32_t* token, int32_t* slot,
+                                                   float* weight) {
+  const bool aligned = reinterpret_cast<uintptr_t>(send_pos) % 16 == 0;
+  const int64_t n4 = aligned ? n / 4 : 0;
+  for (int64_t p0 = block * kHeaderSpan; p0 < S; p0 += blocks * kHeaderSpan) {
+    for (int w = threadIdx.x; w < kHeaderSpan / 32; w += blockDim.x) used[w] = 0;
+    __syncthreads();
+    auto mark = [&](int32_t p) {
+      const int64_t q = int64_t(p) - p0;  // p < 0 (unrouted): q < 0
+      if (q >= 0 && q < kHeaderSpan) atomicOr(&used[q / 32], 1u << (q % 32));
+    };
+    for (int64_t j = threadIdx.x; j < n4; j += blockDim.x) {
+      const int4 v = reinterpret_cast<const int4*>(send_pos)[j];
+      mark(v.x), mark(v.y), mark(v.z), mark(v.w);
+    }
+    for (int64_t i = 4 * n4 + threadIdx.x; i < n; i += blockDim.x) mark(send_pos[i]);
+    __syncthreads();
+    for (int q = threadIdx.x; q < kHeaderSpan && p0 + q < S; q += blockDim.x)
+      if (!(used[q / 32] >> (q % 32) & 1u)) token[p0 + q] = -1, slot[p0 + q] = -1,
+                                              weight[p0 + q] = 0.0f;
+    __syncthreads();  // `used` is the next span's
+  }
+}
+
 template <bool kQuantize>
 __global__ void pack_kernel(const uint16_t* x, const uint8_t* x_values, const uint8_t* x_scales,
                             const float* weights, const int32_t* send_pos, int64_t T, int K,
-                            int64_t H, bool token_rows, uint8_t* values, uint8_t* scales,
-                            int32_t* token, int32_t* slot, float* weight) {
+                            int64_t H, int64_t S, int header_blocks, bool token_rows,
+                            uint8_t* values, uint8_t* scales, int32_t* token, int32_t* slot,
+                            float* weight) {
+  __shared__ uint4 round_bytes[kPackWarps][2 * kWarp];  // one warp's kWarp blocks of fp8
+  static_assert(sizeof(round_bytes) >= kHeaderSpan / 8, "a header block's bitmap");
+  if (int(blockIdx.x) < header_blocks) {
+    unused_row_headers(send_pos, T * K, S, blockIdx.x, header_blocks,
+                       reinterpret_cast<uint32_t*>(round_bytes), token, slot, weight);
+    return;
+  }
   const int lane = threadIdx.x % kWarp;
-  const int64_t t = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / kWarp;
+  const int64_t t = ((blockIdx.x - header_blocks) * int64_t(blockDim.x) + threadIdx.x) / kWarp;
   if (t >= T) return;
   const int64_t HS = H / kBlock;
   int32_t pos[16];
@@ -189,6 +230,7 @@ __global__ void pack_kernel(const uint16_t* x, const uint8_t* x_values, const ui
 #pragma unroll
   for (int k = 0; k < 16; ++k) {
     pos[k] = k < K ? send_pos[t * K + k] : -1;
+    if (pos[k] >= S) pos[k] = -1;  // not a send row: nothing is written for it
     routed |= pos[k] >= 0;
   }
   if (!routed) return;
@@ -202,7 +244,6 @@ __global__ void pack_kernel(const uint16_t* x, const uint8_t* x_values, const ui
 #pragma unroll
     for (int k = 1; k < 16; ++k) pos[k] = -1;
   }
-  __shared__ uint4 round_bytes[kPackWarps][2 * kWarp];  // one warp's kWarp blocks of fp8
   uint4* mine = round_bytes[threadIdx.x / kWarp];
   for (int64_t b0 = 0; b0 < HS; b0 += kWarp) {  // warp-uniform rounds of kWarp MX blocks
     const int64_t b = b0 + lane;
@@ -332,28 +373,23 @@ void launch_quantize(const void* x, bool x_bf16, int64_t blocks, uint8_t* values
 
 void launch_route(const int32_t* ids, int64_t n, int32_t E, int32_t* send_counts,
                   int32_t* send_pos, int32_t* num_invalid, Stream stream) {
-  route_count_kernel<<<E + 1, kRouteThreads, 0, stream>>>(ids, n, E, send_counts, send_pos,
-                                                         num_invalid);
-  if (E > 0)
-    route_place_kernel<<<E, kRouteThreads, 0, stream>>>(ids, n, E, send_counts, send_pos);
+  route_kernel<<<E + 1, kRouteThreads, 0, stream>>>(ids, n, E, send_counts, send_pos,
+                                                   num_invalid);
 }
 
 void launch_pack(bool quantize, const PackArgs& a, Stream stream) {
-  // rows past the routed ones: headers -1 (token, slot), weight 0; their payload is unspecified
-  // (their errors surface as the runtime's last error, which the caller checks)
-  (void)memset_async(a.token, 0xFF, a.S * sizeof(int32_t), stream);
-  (void)memset_async(a.slot, 0xFF, a.S * sizeof(int32_t), stream);
-  (void)memset_async(a.weight, 0, a.S * sizeof(float), stream);
-  if (a.T == 0) return;
-  const int64_t grid = (a.T + kPackWarps - 1) / kPackWarps;
+  const int64_t spans = (a.S + kHeaderSpan - 1) / kHeaderSpan;
+  const int header_blocks = int(spans < kMaxHeaderBlocks ? spans : kMaxHeaderBlocks);
+  const int64_t grid = header_blocks + (a.T + kPackWarps - 1) / kPackWarps;
+  if (grid == 0) return;
   if (quantize)
     pack_kernel<true><<<grid, kPackThreads, 0, stream>>>(
-        a.x, a.x_values, a.x_scales, a.weights, a.send_pos, a.T, a.K, a.H, a.token_rows,
-        a.values, a.scales, a.token, a.slot, a.weight);
+        a.x, a.x_values, a.x_scales, a.weights, a.send_pos, a.T, a.K, a.H, a.S, header_blocks,
+        a.token_rows, a.values, a.scales, a.token, a.slot, a.weight);
   else
     pack_kernel<false><<<grid, kPackThreads, 0, stream>>>(
-        a.x, a.x_values, a.x_scales, a.weights, a.send_pos, a.T, a.K, a.H, a.token_rows,
-        a.values, a.scales, a.token, a.slot, a.weight);
+        a.x, a.x_values, a.x_scales, a.weights, a.send_pos, a.T, a.K, a.H, a.S, header_blocks,
+        a.token_rows, a.values, a.scales, a.token, a.slot, a.weight);
 }
 
 template <bool kRows>

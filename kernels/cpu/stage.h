@@ -58,8 +58,8 @@ inline void pack_rows(const uint8_t* values, const uint8_t* scales, const float*
   std::fill(out.weight, out.weight + S, 0.0f);
   for (int64_t t = 0; t < T; ++t)
     for (int64_t k = 0; k < K; ++k) {
-      int32_t p = send_pos[t * K + k];
-      if (p < 0) continue;
+      const int32_t p = send_pos[t * K + k];
+      if (p < 0 || p >= S) continue;  // unrouted, or not a send row: nothing to store
       const int64_t row = token_rows ? t : p;
       std::memcpy(out_values + row * H, values + t * H, size_t(H));
       std::memcpy(out_scales + row * HS, scales + t * HS, size_t(HS));
@@ -77,7 +77,7 @@ inline void qpack_rows(const uint16_t* x, const float* weights, const int32_t* s
   std::vector<uint8_t> qv(static_cast<size_t>(T * H)), qs(static_cast<size_t>(T * HS));
   for (int64_t t = 0; t < T; ++t) {
     bool routed = false;
-    for (int64_t k = 0; k < K; ++k) routed |= send_pos[t * K + k] >= 0;
+    for (int64_t k = 0; k < K; ++k) routed |= send_pos[t * K + k] >= 0 && send_pos[t * K + k] < S;
     if (routed) quantize_row_bf16(x + t * H, H, qv.data() + t * H, qs.data() + t * HS);
   }
   pack_rows(qv.data(), qs.data(), weights, send_pos, T, K, H, S, token_rows, out_values,
