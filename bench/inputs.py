@@ -56,10 +56,10 @@ def native_w1(w1q: jsm.QuantizedW1) -> jax.Array:
   return w.reshape(*lead, H, two_i)
 
 
-def random_w1q(key, E: int, I: int, H: int) -> jsm.QuantizedW1:
-  """w1 [E, 2I, H] ~ N(0, 1) * W1_SCALE drawn in bf16, quantised to MX-fp8 (inside a caller's
-  jit, the bf16 copy is freed when it returns)."""
-  return jsm.quantize_w1(jax.random.normal(key, (E, 2 * I, H), jnp.bfloat16) * W1_SCALE)
+def random_w1q(key, E: int, I: int, H: int, std: float = W1_SCALE) -> jsm.QuantizedW1:
+  """w1 [E, 2I, H] ~ N(0, 1) * std drawn in bf16, quantised to MX-fp8 (inside a caller's jit, the
+  bf16 copy is freed when it returns)."""
+  return jsm.quantize_w1(jax.random.normal(key, (E, 2 * I, H), jnp.bfloat16) * std)
 
 
 def random_w2q(key, E: int, I: int, H: int) -> jsm.QuantizedW2:
@@ -161,10 +161,12 @@ def balanced_counts(rows: int, experts: int) -> np.ndarray:
   return (base + (np.arange(experts) < extra)).astype(np.int32)
 
 
-def gemm1_inputs(shape: jsm.MoEShape, counts: np.ndarray, row_align: int, key) -> tuple:
+def gemm1_inputs(shape: jsm.MoEShape, counts: np.ndarray, row_align: int, key,
+                 w1_std: float = W1_SCALE) -> tuple:
   """gemm1's inputs on the default device, as a dispatch lands them (§4): (values [M_cap, H] fp8,
   scales [M_cap, H/32], expert_offsets, expert_counts) with counts[e] rows of random MX-fp8 tokens
-  per local expert at its aligned offset (M_cap: their aligned total), and w1q [EL, 2I, H]."""
+  per local expert at its aligned offset (M_cap: their aligned total), and w1q [EL, 2I, H] of
+  standard deviation w1_std."""
   H, I = shape.hidden, shape.intermediate
   aligned = -(-counts // row_align) * row_align
   cap = max(row_align, int(aligned.sum()))
@@ -174,6 +176,7 @@ def gemm1_inputs(shape: jsm.MoEShape, counts: np.ndarray, row_align: int, key) -
   def make(key):
     kx, kw = jax.random.split(key)
     xq = jsm.quantize(jax.random.normal(kx, (cap, H), jnp.bfloat16))
-    return (xq.values, xq.scales, lay.offsets, lay.counts), random_w1q(kw, len(counts), I, H)
+    return (xq.values, xq.scales, lay.offsets, lay.counts), random_w1q(kw, len(counts), I, H,
+                                                                    w1_std)
 
   return jax.block_until_ready(make(key))

@@ -263,10 +263,11 @@ def gemm1_config(args, device, shape: jsm.MoEShape, rows: int, experts: int, cei
   tag = f"[{shape.name} rows={rows} experts={experts}]"
   counts = inputs.balanced_counts(rows, experts)
   flops = 2 * rows * shape.hidden * 2 * shape.intermediate
+  w1_std = args.w1_std or inputs.W1_SCALE
   row = {"path": "gemm1 alone", "kind": "gemm1", "shape": shape.name, "tokens": None,
-         "rows_total": rows, "experts": experts, "gemm1_flops": flops}
+         "rows_total": rows, "experts": experts, "gemm1_flops": flops, "w1_std": w1_std}
   progress(f"{tag} making inputs")
-  landed, w1q = inputs.gemm1_inputs(shape, counts, args.row_align, key)
+  landed, w1q = inputs.gemm1_inputs(shape, counts, args.row_align, key, w1_std)
   options = primitives.Gemm1Options(
       swiglu_limit=shape.swiglu_limit, out_dtype="bf16",
       tile_tokens=layout.gemm_tile_tokens(rows / experts, args.gemm_tile_tokens))

@@ -138,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "reach), with the SM clock and power meanwhile (default: 0, not measured)")
   p.add_argument("--experts", type=int, help="--gemm1-rows: local experts (default: E/2 of each "
                  "shape, one of 2 ranks')")
+  p.add_argument("--w1-std", type=float, metavar="STD",
+                 help="--gemm1-rows: our w1 is N(0, 1) * STD, then MX-fp8; below ~0.004 some of "
+                      "its blocks' scale bytes fall under 112 and the 16-bit kernel runs both its "
+                      "passes (DESIGN §3) (default: bench/inputs.py W1_SCALE)")
   p.add_argument("--layer", action="store_true",
                  help="the whole MoE layer instead of Stage1: jsm.moe per engine against the "
                       "JAX-native capacity layer, checked and timed in the same run "
