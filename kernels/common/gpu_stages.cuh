@@ -86,8 +86,8 @@ __device__ __forceinline__ int block_sum(int v, int32_t* warp_sums) {
 // ids per 16-byte load where the ids are 16-byte aligned (XLA's buffers are): a block's loads are
 // then a few rounds deep, not T*K / blockDim (the scan is latency-bound, not bandwidth-bound).
 // Block e < E first counts the ids in [0, e) (its segment's start: a second scan in place of a
-// second launch), then places its ids and writes its count; block E
-// counts the ids >= E and writes -1 to the send_pos of every id outside [0, E).
+// second launch), then places its ids and writes its count; block E counts the ids >= E and
+// writes -1 to the send_pos of every id outside [0, E).
 constexpr int kRouteThreads = 1024;
 // Each thread takes kPlacePerThread consecutive ids of a chunk, so the three block barriers of a
 // chunk are paid once per 8192 ids (a chunk of one id per thread paid them per 1024).
