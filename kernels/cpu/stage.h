@@ -43,6 +43,10 @@ struct RowHeaders {
   float* weight;
 };
 
+// Whether send position p (of a send_pos) is one of the S send rows: -1 is unrouted, and a
+// position past the buffer stores nothing.
+inline bool is_send_row(int32_t p, int64_t S) { return p >= 0 && p < S; }
+
 // Stores each token's quantised row to every send position it has (token_rows: once, at the
 // token's row; DESIGN.md §5) and the headers at its send positions; unused rows are zero with
 // headers -1 so the buffer is deterministic.
@@ -59,7 +63,7 @@ inline void pack_rows(const uint8_t* values, const uint8_t* scales, const float*
   for (int64_t t = 0; t < T; ++t)
     for (int64_t k = 0; k < K; ++k) {
       const int32_t p = send_pos[t * K + k];
-      if (p < 0 || p >= S) continue;  // unrouted, or not a send row: nothing to store
+      if (!is_send_row(p, S)) continue;
       const int64_t row = token_rows ? t : p;
       std::memcpy(out_values + row * H, values + t * H, size_t(H));
       std::memcpy(out_scales + row * HS, scales + t * HS, size_t(HS));
@@ -77,7 +81,7 @@ inline void qpack_rows(const uint16_t* x, const float* weights, const int32_t* s
   std::vector<uint8_t> qv(static_cast<size_t>(T * H)), qs(static_cast<size_t>(T * HS));
   for (int64_t t = 0; t < T; ++t) {
     bool routed = false;
-    for (int64_t k = 0; k < K; ++k) routed |= send_pos[t * K + k] >= 0 && send_pos[t * K + k] < S;
+    for (int64_t k = 0; k < K; ++k) routed |= is_send_row(send_pos[t * K + k], S);
     if (routed) quantize_row_bf16(x + t * H, H, qv.data() + t * H, qs.data() + t * HS);
   }
   pack_rows(qv.data(), qs.data(), weights, send_pos, T, K, H, S, token_rows, out_values,
