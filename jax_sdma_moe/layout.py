@@ -31,6 +31,9 @@ def send_rows(tokens: int, topk: int) -> int:
 # The CUDA bf16-route GEMM's tiles (kernels/cuda/gemm1/args.h): tokens per tile, the large one
 # first. The small tile serves weight-bound calls, where experts hold few rows.
 GEMM_TILE_TOKENS = (128, 32)
+# The 16-bit GEMM's launches per call, each with its own row-tile flags (kernels/cuda/gemm1/args.h
+# kBf16FlagRegions): the f16 pass's head, wide and tail launches and the bf16 pass's one.
+GEMM_FLAG_REGIONS = 4
 
 
 def gemm_tile_tokens(rows_per_expert: float, override=None) -> int:
@@ -48,13 +51,15 @@ def gemm_tile_tokens(rows_per_expert: float, override=None) -> int:
 
 def bf16_gemm_workspace(cap: int, depth: int, experts_per_rank: int, applies: bool):
   """The CUDA 16-bit GEMM's workspace (DESIGN §5), as ((shape, dtype), ...): the landed rows
-  upcast to f16 or bf16 once per call ([cap, 2*depth] bytes), one flag per row tile of the
-  smaller tile and the f16 pass's fallback word (cap // 32 + experts_per_rank + 1:
+  upcast to f16 or bf16 once per launch ([cap, 2*depth] bytes), GEMM_FLAG_REGIONS regions of one
+  flag per row tile of the smaller tile, then the f16 pass's fallback words, one per expert and
+  one for any (GEMM_FLAG_REGIONS * (cap // 32 + experts_per_rank) + experts_per_rank + 1:
   kernels/cuda/gemm1/args.h bf16_flag_words). Empty where the kernel does not apply."""
   if not applies:
     return ((0,), jnp.uint8), ((0,), jnp.uint32)
-  return ((cap, 2 * depth), jnp.uint8), ((cap // min(GEMM_TILE_TOKENS) + experts_per_rank + 1,),
-                                          jnp.uint32)
+  row_tiles = cap // min(GEMM_TILE_TOKENS) + experts_per_rank
+  flags = GEMM_FLAG_REGIONS * row_tiles + experts_per_rank + 1
+  return ((cap, 2 * depth), jnp.uint8), ((flags,), jnp.uint32)
 
 
 def gemm1_bf16_applies(hidden: int, intermediate: int) -> bool:

@@ -193,37 +193,44 @@ class CudaGemm1Test(parameterized.TestCase):
 
   @parameterized.parameters("bf16", "mxfp8")
   def test_f16_and_bf16_passes_agree(self, out_dtype):
-    """The 16-bit GEMM computes in f16 where every scale of the call keeps its values in f16's
-    range, and redoes the call in bf16 otherwise (kernels/cuda/gemm1/args.h Gemm1Args::fallback):
-    the same numbers either way. One expert's weight scales lowered by 24 (2^-24 times its
-    weights: scale bytes below 112) send the call to bf16; every other expert's rows of h are
-    byte for byte those of the call without it (the f16 pass), and that expert's match the
-    reference. dsv3, 4096 tokens: 128 rows per expert, the large tile."""
+    """The 16-bit GEMM computes in f16 where an expert's scales keep their values in f16's range,
+    and redoes that expert in bf16 otherwise (kernels/cuda/gemm1/args.h Gemm1Args::fallback): the
+    same numbers either way. The second call lowers, in every expert but one, the first K block's
+    scale of one gate row by 24 (scale bytes below 112), which sends those experts to bf16: their
+    h outside that row's 32-column block is byte for byte the first call's (all f16), that block
+    matches the reference, and the one expert left alone is the f16 pass's. Every 97th token row
+    is zeros (scale byte 85, outside the range, but zeros at any scale: it stays in the f16
+    pass). dsv3, 4096 tokens: 128 rows per expert, the large tile."""
     s = jsm.SHAPES["dsv3"]
     r = _util.rng()
     x, ids, w = self.inputs(s, 4096, "uniform", r)
+    x = x.at[::97].set(0)
     # the weights times 2^4 (scale bytes ~117-119; random_w1q's ~113-115 lie close to 112), so
     # that every scale of the first call is within f16's range (checked: the f16 pass runs)
     w1q = self.w1q("dsv3")
     scales = np.asarray(w1q.scales) + np.uint8(4)
     w1q = jsm.QuantizedW1(w1q.values, on(GPU, jnp.asarray(scales)))
     x_scales = np.asarray(jsm.quantize(x).scales)
-    for name, b in (("w1", scales), ("x", x_scales)):
+    self.assertTrue((x_scales[::97] == 85).all())
+    for name, b in (("w1", scales), ("x", np.delete(x_scales, np.s_[::97], axis=0))):
       self.assertTrue(((b >= 112) & (b <= 134)).all(), f"{name}'s scales must be within f16's")
-    tiny = int(r.integers(s.num_experts))
-    low = scales - np.uint8(24) * (np.arange(s.num_experts) == tiny)[:, None, None]
-    self.assertTrue((low[tiny] < 112).all() and (low[tiny] > 0).all())
-    w1q_low = jsm.QuantizedW1(w1q.values, on(GPU, jnp.asarray(low.astype(np.uint8))))
+    col = int(r.integers(s.intermediate))  # a gate row: h's column col
+    kept = int(r.integers(s.num_experts))  # the expert that stays in f16
+    low = scales.copy()
+    lowered = np.arange(s.num_experts) != kept
+    low[lowered, col, 0] -= np.uint8(24)
+    self.assertTrue((low[lowered, col, 0] < 112).all())
+    w1q_low = jsm.QuantizedW1(w1q.values, on(GPU, jnp.asarray(low)))
     cfg, f = local_stage1("dsv3", out_dtype)
     out_f16, _ = self.run_and_check_layout(s, cfg, f, x, ids, w, w1q)
-    out_bf16, landed = self.run_and_check_layout(s, cfg, f, x, ids, w, w1q_low)
-    offs, cnts = np.asarray(out_f16.expert_offsets), np.asarray(out_f16.expert_counts)
-    other = np.ones(out_f16.expert_offsets.shape[0], bool)
-    other[tiny] = False
-    rows = np.concatenate([np.arange(offs[e], offs[e] + cnts[e]) for e in np.flatnonzero(other)])
-    for a, b in zip(jax.tree.leaves(out_f16.h), jax.tree.leaves(out_bf16.h), strict=True):
-      np.testing.assert_array_equal(_util.as_bytes(a)[rows], _util.as_bytes(b)[rows])
-    self.check_experts(out_bf16, landed, w1q_low, s.swiglu_limit, out_dtype, r, also=(tiny,))
+    out_mixed, landed = self.run_and_check_layout(s, cfg, f, x, ids, w, w1q_low)
+    blk = col // 32  # h's MX block (mxfp8 output) of that column
+    for a, b in zip(jax.tree.leaves(out_f16.h), jax.tree.leaves(out_mixed.h), strict=True):
+      a, b = _util.as_bytes(a), _util.as_bytes(b)
+      width = 32 if a.shape[1] == s.intermediate else 1  # values or bf16 columns; MX scales
+      keep = np.r_[0:blk * width, (blk + 1) * width:a.shape[1]]
+      np.testing.assert_array_equal(a[:, keep], b[:, keep])
+    self.check_experts(out_mixed, landed, w1q_low, s.swiglu_limit, out_dtype, r, also=(kept,))
 
   def check_experts(self, out, landed, w1q, limit, out_dtype, r, also=()):
     offs, cnts = np.asarray(out.expert_offsets), np.asarray(out.expert_counts)

@@ -120,8 +120,10 @@ class Stage1Test(parameterized.TestCase):
     results = call.split("->")[-1]
     if H % 512 == 0:
       self.assertIn(f"tensor<{cap}x{2 * H}xui8>", results)
-      # one flag per row tile of the smaller tile, and the f16 pass's fallback word
-      self.assertIn(f"tensor<{cap // min(jsm.layout.GEMM_TILE_TOKENS) + E + 1}xui32>", results)
+      # a region per launch of one flag per row tile of the smaller tile, the fallback words
+      row_tiles = cap // min(jsm.layout.GEMM_TILE_TOKENS) + E
+      flags = jsm.layout.GEMM_FLAG_REGIONS * row_tiles + E + 1
+      self.assertIn(f"tensor<{flags}xui32>", results)
     else:
       self.assertIn("tensor<0xui8>", results)
     # T*K/E = 4 rows per expert: the small tile (weight-bound), unless the config says otherwise

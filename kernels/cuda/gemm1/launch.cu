@@ -54,8 +54,9 @@ std::string tensor_map(CUtensorMap* map, const void* base, int64_t cols, int64_t
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// The bf16-route kernel (both GEMMs; swiglu: GEMM1) with its TMA maps over the workspace's rows
-// and the weights [weight_rows, H], after zeroing the row-tile flags.
+// The 16-bit kernel (both GEMMs; swiglu: GEMM1) with its TMA maps over the workspace's rows
+// and the weights [weight_rows, H]: the f16 pass, then the bf16 one where it met a scale outside
+// f16's range. One memset zeroes every launch's flag region and the fallback words.
 std::string launch_bf16_route(Gemm1Args g, int64_t weight_rows, int grid,
                               cudaStream_t stream, bool swiglu, int64_t tile_tokens) {
   if (tile_tokens != kBf16TileTokens && tile_tokens != kBf16SmallTileTokens)
@@ -63,38 +64,42 @@ std::string launch_bf16_route(Gemm1Args g, int64_t weight_rows, int grid,
            std::to_string(kBf16SmallTileTokens) + ", got " + std::to_string(tile_tokens);
   if (g.xb_ready_count < bf16_flag_words(g.m_cap, g.EL))
     return "jax_sdma_moe GEMM: the workspace has too few flag words";
-  const int64_t row_tile_flags = g.xb_ready_count - 1;
-  g.fallback = g.xb_ready + row_tile_flags;
+  uint32_t* const flags = g.xb_ready;
+  const int64_t region = bf16_row_tiles_bound(g.m_cap, g.EL);
+  g.fallback = flags + kBf16FlagRegions * region;
   Bf16RsMaps maps;
   std::string err = tensor_map(&maps.w, g.w, g.H, weight_rows, kBf16WeightBoxRows, kBf16StageK);
   if (err.empty())
     err = tensor_map(&maps.w_scales, g.w_scales, g.H / kBlock, weight_rows, kBf16WeightBoxRows, 16);
+  if (!err.empty()) return err;
   // The large tile leaves each expert's short tail to a launch of its own (args.h RowPart): as a
   // 128-token tile a tail costs what a full one does (the weights' loads and upcasts are per
   // tile, not per row); joined to the expert's last full tile in a wide one it costs the wide
   // tile's extra tokens; in a 32-token tile, little more than its weights' stream from HBM.
+  // The bf16 pass (rare: a scale outside f16's range) takes every row in one launch of the small
+  // tile, whose bytes are the same as any tile width's.
   struct Part {
     RowPart rows;
     int tokens;
+    bool f16;
   };
-  const Part all[1] = {{kAllRows, int(tile_tokens)}};
-  const Part split[3] = {{kHeadRows, kBf16TileTokens},
-                         {kWideRows, kBf16WideTileTokens},
-                         {kTailRows, kBf16SmallTileTokens}};
+  const Part split[4] = {{kHeadRows, kBf16TileTokens, true},
+                         {kWideRows, kBf16WideTileTokens, true},
+                         {kTailRows, kBf16SmallTileTokens, true},
+                         {kAllRows, kBf16SmallTileTokens, false}};
+  const Part all[2] = {{kAllRows, int(tile_tokens), true},
+                       {kAllRows, kBf16SmallTileTokens, false}};
   const bool large = tile_tokens == kBf16TileTokens;
   const Part* parts = large ? split : all;
-  // the f16 pass, then the bf16 one, which runs only where the f16 one set g.fallback
-  cudaMemsetAsync(g.fallback, 0, sizeof(uint32_t), stream);
-  for (const bool f16 : {true, false}) {
-    g.redo = !f16;
-    for (int i = 0; i < (large ? 3 : 1) && err.empty(); ++i) {
-      const Part& part = parts[i];
-      g.row_part = part.rows;
-      err = tensor_map(&maps.xb, g.xb, 2 * g.H, g.m_cap, part.tokens, 128);
-      if (!err.empty()) break;
-      cudaMemsetAsync(g.xb_ready, 0, size_t(row_tile_flags) * sizeof(uint32_t), stream);
-      launch_sm90_mx_bf16_rs(g, maps, grid, stream, swiglu, part.tokens, f16);
-    }
+  static_assert(kBf16FlagRegions == 4, "a flag region per launch of split");
+  cudaMemsetAsync(flags, 0, size_t(bf16_flag_words(g.m_cap, g.EL)) * sizeof(uint32_t), stream);
+  for (int i = 0; i < (large ? 4 : 2) && err.empty(); ++i) {
+    const Part& part = parts[i];
+    g.row_part = part.rows;
+    g.redo = !part.f16;  // the experts the f16 pass marked in g.fallback, if any
+    g.xb_ready = flags + i * region, g.xb_ready_count = region;
+    err = tensor_map(&maps.xb, g.xb, 2 * g.H, g.m_cap, part.tokens, 128);
+    if (err.empty()) launch_sm90_mx_bf16_rs(g, maps, grid, stream, swiglu, part.tokens, part.f16);
   }
   return err;
 }

@@ -7,6 +7,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "kernels/common/mxfp8.h"
+
 namespace jsm {
 namespace cuda {
 namespace gemm1 {
@@ -94,8 +96,10 @@ __device__ __forceinline__ void upcast4_f16(uint32_t w, uint32_t factor, uint32_
 // 0-1 (q = 0) or 2-3 (q = 1) of word 2 lb + s of blocks tig = 0..3.
 //
 // One stage of a token row (blocks in[tig] = 32 fp8 values, scale bytes e[tig]) -> 256 bytes of
-// bf16 (kF16: f16) in the workspace in that order. Returns false where kF16 and a scale is
-// outside f16's range (f16_scale): the bytes written are then not the values.
+// bf16 (kF16: f16) in the workspace in that order. Returns false where kF16 and a block's scale
+// is outside f16's range (f16_scale) and its values are not all zero: the bytes written are then
+// not the values. An all-zero block (a zero token row's: scale byte 85) is zeros at any scale, so
+// it is exact in f16 (its factor taken as 1, never inf); the NaN scale is never exact.
 template <bool kF16>
 __device__ __forceinline__ bool upcast_stage(const uint4 (&in)[4][2], const uint32_t (&e)[4],
                                              uint8_t* dst) {
@@ -104,8 +108,17 @@ __device__ __forceinline__ bool upcast_stage(const uint4 (&in)[4][2], const uint
 #pragma unroll
   for (int b = 0; b < 4; ++b) {
     slow[b] = !kF16 && !fast_scale(e[b]);
-    exact &= !kF16 || f16_scale(e[b]);
-    f[b] = kF16 ? factor_f16x2(e[b]) : factor_bf16x2(e[b], slow[b]);
+    if (kF16) {
+      const bool in_range = f16_scale(e[b]);
+      if (!in_range) {  // rare: only here are the block's bytes looked at
+        const uint4 &lo = in[b][0], &hi = in[b][1];
+        const uint32_t any = lo.x | lo.y | lo.z | lo.w | hi.x | hi.y | hi.z | hi.w;
+        exact &= (any & 0x7F7F7F7Fu) == 0 && e[b] != kScaleNaN;  // +-0 bytes only
+      }
+      f[b] = factor_f16x2(in_range ? e[b] : 127u);
+    } else {
+      f[b] = factor_bf16x2(e[b], slow[b]);
+    }
   }
 #pragma unroll
   for (int lb = 0; lb < 4; ++lb)

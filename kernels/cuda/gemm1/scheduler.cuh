@@ -67,8 +67,10 @@ struct TileSchedulerFor {
 
   // The rows of expert e this launch covers: [first, first + the result) of its landed rows
   // (Gemm1Args.row_part; args.h kBf16WideTileTokens: the tails of the large tile's launches).
+  // The bf16 redo (Gemm1Args::redo) covers only the experts the f16 pass marked.
   static __device__ __forceinline__ int launch_rows(const Gemm1Args& g, int e, int& first) {
-    const int count = g.counts[e], tail = count % kBf16TileTokens;
+    const int count = g.redo && g.fallback[e] == 0 ? 0 : g.counts[e];
+    const int tail = count % kBf16TileTokens;
     first = 0;
     if (g.row_part == kAllRows) return count;
     const bool wide =

@@ -220,6 +220,13 @@ __device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared<kTok>& sh
   }
 }
 
+// The f16 pass met a block of expert e outside f16's range (mx_bf16.cuh f16_scale): the bf16
+// pass redoes expert e's tiles (Gemm1Args::fallback).
+__device__ __forceinline__ void mark_fallback(const Gemm1Args& g, int e) {
+  g.fallback[e] = 1;
+  g.fallback[g.EL] = 1;
+}
+
 // The transform warps. Work items: (row tile, quarter of H) in row tile order, CTA b taking items
 // b, b + gridDim.x, ...: an item is upcast once its expert's rows have landed (fused: warp 1 waits,
 // bounded), then counted on its row tile's flag; kChunks counts release the row tile to every
@@ -253,7 +260,7 @@ __device__ __forceinline__ void transform_row_tiles(const Gemm1Args& g, const Sc
         in[b][1] = src[2 * b + 1];
         e[b] = g.a_scales[from / kBlock + b];
       }
-      if (!upcast_stage<kF16>(in, e, g.xb + at * 2)) *g.fallback = 1;  // the bf16 pass redoes it
+      if (!upcast_stage<kF16>(in, e, g.xb + at * 2)) mark_fallback(g, tile.e);
     }
     asm volatile("fence.proxy.async.global;" ::: "memory");  // other CTAs' TMA reads them next
     transform_barrier();
@@ -337,11 +344,11 @@ __device__ __forceinline__ void load_half(RawHalf& raw, uint32_t w_base, int cw,
 // The factors of the rows' scale bytes of the stage (sk: the stage's first in the super-stage
 // `sc`). The two-step multiply is chosen per warp: both forms give the same bf16 wherever the
 // one-step form applies, so a warp's choice does not change the result. kF16: f16 factors, and
-// `slow` a scale outside f16's range, which sets g.fallback (the bf16 pass redoes the call).
+// `slow` a scale outside f16's range, which marks expert `expert` (the bf16 pass redoes it).
 template <bool kSwiglu, bool kF16>
 __device__ __forceinline__ void stage_factors(const Gemm1Args& g, StageFactors& sf,
                                               const ScaleStage& sc, int sk, int cw, int row_g,
-                                              int tig) {
+                                              int tig, int expert) {
   uint32_t e[2][2];
   bool slow = false;
 #pragma unroll
@@ -352,7 +359,7 @@ __device__ __forceinline__ void stage_factors(const Gemm1Args& g, StageFactors& 
       slow |= kF16 ? !f16_scale(e[part][h]) : !fast_scale(e[part][h]);
     }
   sf.slow = __any_sync(0xFFFFFFFFu, slow);
-  if (kF16 && sf.slow) *g.fallback = 1;
+  if (kF16 && sf.slow) mark_fallback(g, expert);
 #pragma unroll
   for (int part = 0; part < 2; ++part)
 #pragma unroll
@@ -528,7 +535,7 @@ __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared<kTok>& s
       const uint32_t w_base = smem_addr(sh.s[slot].w);
       const uint64_t b_desc = smem_desc_addr(smem_addr(sh.s[slot].x));
       StageFactors sf;
-      stage_factors<kSwiglu, kF16>(g, sf, sc, sk, cw, row_g, tig);
+      stage_factors<kSwiglu, kF16>(g, sf, sc, sk, cw, row_g, tig, t.e);
       RawHalf raw;
 #pragma unroll
       for (int blk = 0; blk < NB; ++blk) {
@@ -570,7 +577,7 @@ __device__ __forceinline__ void gemm_body(const Gemm1Args& g_in, const Bf16RsMap
   using Scheduler = SchedulerFor<kSwiglu, kTok>;
   constexpr int STAGES = kStages<kTok>;
   // the bf16 pass after an f16 one runs only where that one met a scale outside f16's range
-  if (!kF16 && g_in.redo && *static_cast<volatile const uint32_t*>(g_in.fallback) == 0) return;
+  if (!kF16 && g_in.redo && g_in.fallback[g_in.EL] == 0) return;
   const Gemm1Args g = resolve_slot(g_in);
   extern __shared__ uint8_t smem_raw[];
   // 1024-aligned (the swizzle patterns), as an offset from smem_raw so that the compiler keeps
@@ -638,28 +645,22 @@ cudaError_t load_sm90_mx_bf16_rs() {
                            gemm_sm90_mx_bf16_rs<false, kBf16TileTokens, true>,
                            gemm_sm90_mx_bf16_rs<false, kBf16WideTileTokens, true>,
                            gemm_sm90_mx_bf16_rs<false, kBf16SmallTileTokens, true>,
-                           gemm_sm90_mx_bf16_rs<true, kBf16TileTokens, false>,
-                           gemm_sm90_mx_bf16_rs<true, kBf16WideTileTokens, false>,
                            gemm_sm90_mx_bf16_rs<true, kBf16SmallTileTokens, false>,
-                           gemm_sm90_mx_bf16_rs<false, kBf16TileTokens, false>,
-                           gemm_sm90_mx_bf16_rs<false, kBf16WideTileTokens, false>,
                            gemm_sm90_mx_bf16_rs<false, kBf16SmallTileTokens, false>);
 }
 
 void launch_sm90_mx_bf16_rs(const Gemm1Args& g, const Bf16RsMaps& maps, int grid,
                             cudaStream_t stream, bool swiglu, int tile_tokens, bool f16) {
   using namespace sm90_bf16;
-  auto launch_width = [&](auto swiglu_tag, auto f16_tag) {
-    constexpr bool kSwiglu = decltype(swiglu_tag)::value, kF16 = decltype(f16_tag)::value;
-    if (tile_tokens == kBf16SmallTileTokens)
-      launch<kSwiglu, kBf16SmallTileTokens, kF16>(g, maps, grid, stream);
-    else if (tile_tokens == kBf16WideTileTokens)
-      launch<kSwiglu, kBf16WideTileTokens, kF16>(g, maps, grid, stream);
-    else launch<kSwiglu, kBf16TileTokens, kF16>(g, maps, grid, stream);
-  };
+  // the bf16 pass runs the small tile only (launch.cu launch_bf16_route)
   auto launch_type = [&](auto swiglu_tag) {
-    if (f16) launch_width(swiglu_tag, std::true_type{});
-    else launch_width(swiglu_tag, std::false_type{});
+    constexpr bool kSwiglu = decltype(swiglu_tag)::value;
+    if (!f16) launch<kSwiglu, kBf16SmallTileTokens, false>(g, maps, grid, stream);
+    else if (tile_tokens == kBf16SmallTileTokens)
+      launch<kSwiglu, kBf16SmallTileTokens, true>(g, maps, grid, stream);
+    else if (tile_tokens == kBf16WideTileTokens)
+      launch<kSwiglu, kBf16WideTileTokens, true>(g, maps, grid, stream);
+    else launch<kSwiglu, kBf16TileTokens, true>(g, maps, grid, stream);
   };
   if (swiglu) launch_type(std::true_type{});
   else launch_type(std::false_type{});
