@@ -51,14 +51,15 @@ def gemm_tile_tokens(rows_per_expert: float, override=None) -> int:
 
 def bf16_gemm_workspace(cap: int, depth: int, experts_per_rank: int, applies: bool):
   """The CUDA 16-bit GEMM's workspace (DESIGN §5), as ((shape, dtype), ...): the landed rows
-  upcast to f16 or bf16 once per launch ([cap, 2*depth] bytes), GEMM_FLAG_REGIONS regions of one
-  flag per row tile of the smaller tile, then the f16 pass's fallback words, one per expert and
-  one for any (GEMM_FLAG_REGIONS * (cap // 32 + experts_per_rank) + experts_per_rank + 1:
-  kernels/cuda/gemm1/args.h bf16_flag_words). Empty where the kernel does not apply."""
+  upcast to f16 or bf16 once per launch ([cap, 2*depth] bytes), and words: GEMM_FLAG_REGIONS
+  regions of one flag per row tile of the smaller tile, the f16 pass's fallback words (one per
+  expert and one for any), its row factors (one per landed row): GEMM_FLAG_REGIONS * (cap // 32 +
+  experts_per_rank) + experts_per_rank + 1 + cap (kernels/cuda/gemm1/args.h
+  bf16_workspace_words). Empty where the kernel does not apply."""
   if not applies:
     return ((0,), jnp.uint8), ((0,), jnp.uint32)
   row_tiles = cap // min(GEMM_TILE_TOKENS) + experts_per_rank
-  flags = GEMM_FLAG_REGIONS * row_tiles + experts_per_rank + 1
+  flags = GEMM_FLAG_REGIONS * row_tiles + experts_per_rank + 1 + cap
   return ((cap, 2 * depth), jnp.uint8), ((flags,), jnp.uint32)
 
 

@@ -4,8 +4,9 @@ GEMM route: H = 224 (the mma.sync kernel, any H % 32 == 0), H = 256 (the fp8 war
 kernel with TMA, H % 128 == 0), H = 512 (the bf16 wgmma kernel, H % 512 == 0 and I % 64 == 0) with
 a few rows per expert (its 32-token tile), ~140 (most experts' last full tile and tail in its wide
 152-token tile) and hundreds (its 128-token tile; GEMM2 on the same kernel where I % 256 == 0),
-each with bf16 and MX-fp8 Stage1 output; on the 16-bit kernel also weights whose scales are out
-of f16's range, so the bf16 pass redoes every expert."""
+each with bf16 and MX-fp8 Stage1 output; on the 16-bit kernel also weights whose scales are all
+below f16's own range (the f16 pass in each row's window), and weights whose rows' first blocks lie
+outside their windows, so the bf16 pass redoes every expert."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,9 +43,13 @@ for T, H, I, E, K in CASES:
     rows, overflow = int(out.num_rows), int(out.overflow)
     print("H", H, "I", I, "T", T, out_dtype, "rows", rows, "overflow", overflow)
     assert rows == T * K and overflow == 0
-    if H % 512 == 0 and out_dtype == "bf16":  # scale bytes ~2^-30 below f16's: the bf16 pass
+    if H % 512 == 0 and out_dtype == "bf16":
+      # scale bytes ~30 below f16's own range: the f16 pass, each row in its window
       tiny = jax.block_until_ready(f(x, ids, w, jsm.quantize_w1(w1 * 2.0**-30)))
-      print("  out of f16's range: rows", int(tiny.num_rows))
+      # each row's first block 2^-30 below its others, outside the window: the bf16 pass
+      split = jsm.quantize_w1(w1.at[:, :, :32].multiply(2.0**-30))
+      redo = jax.block_until_ready(f(x, ids, w, split))
+      print("  windows: rows", int(tiny.num_rows), "; bf16 pass: rows", int(redo.num_rows))
     if H % 512 == 0:  # the layer: GEMM2 and the combine
       layer = jax.jit(jax.shard_map(
           lambda x, i, w, q1, q2: jsm.moe(x, (i, w), q1, q2, runtime=rt, check=True),

@@ -5,6 +5,7 @@ build without CUDA kernels into a failure instead of a skip.
 """
 import functools
 import os
+import types
 
 import _util
 
@@ -47,6 +48,26 @@ def cpu_ref(fn, *args, **kw):
     return fn(*on(CPU, args), **kw)
 
 
+def _gemm1_with_workspace(landed, w1q, options):
+  """gemm1 on landed rows (one rank's Landed) with its CUDA workspace as results, which the
+  library's primitive drops at lowering: (*h, the 16-bit rows, the words; layout.py
+  bf16_gemm_workspace)."""
+  def abstract(values, scales, offsets, counts, w_values, w_scales, *, options):
+    work = jsm.layout.gemm1_workspace(values.shape[0], values.shape[1], w_values.shape[1] // 2,
+                                      w_values.shape[0])
+    return (*primitives._gemm1_abstract(values, scales, offsets, counts, w_values, w_scales,
+                                        options=options),
+            *(primitives._aval(shape, dtype) for shape, dtype in work))
+  if "gemm1" not in _WORKSPACE_PRIMS:
+    _WORKSPACE_PRIMS["gemm1"] = primitives._make(
+        "gemm1", abstract, lambda p: {"gemm1": p["options"].ffi_attr()})
+  prim = _WORKSPACE_PRIMS["gemm1"]
+  return jax.jit(lambda *a: primitives._bind(prim, *a, options=options))(
+      landed.values, landed.scales, landed.expert_offsets, landed.expert_counts, w1q.values,
+      w1q.scales)
+
+
+_WORKSPACE_PRIMS = {}
 _STAGE1 = {}
 
 
@@ -192,45 +213,59 @@ class CudaGemm1Test(parameterized.TestCase):
     self.check_experts(small, landed, w1q, s.swiglu_limit, out_dtype, r)
 
   @parameterized.parameters("bf16", "mxfp8")
-  def test_f16_and_bf16_passes_agree(self, out_dtype):
-    """The 16-bit GEMM computes in f16 where an expert's scales keep their values in f16's range,
-    and redoes that expert in bf16 otherwise (kernels/cuda/gemm1/args.h Gemm1Args::fallback): the
-    same numbers either way. The second call lowers, in every expert but one, the first K block's
-    scale of one gate row by 24 (scale bytes below 112), which sends those experts to bf16: their
-    h outside that row's 32-column block is byte for byte the first call's (all f16), that block
-    matches the reference, and the one expert left alone is the f16 pass's. Every 97th token row
-    is zeros (scale byte 85, outside the range, but zeros at any scale: it stays in the f16
-    pass). dsv3, 4096 tokens: 128 rows per expert, the large tile."""
+  def test_f16_windows_and_the_bf16_pass_agree(self, out_dtype):
+    """The 16-bit GEMM computes in f16 with a window of 23 scale bytes per token row and per
+    weight row (kernels/cuda/gemm1/mx_bf16.cuh window_bias), and redoes in bf16 an expert with a
+    block outside its row's window (Gemm1Args::fallback): the same bytes either way. gemm1 on
+    the landed rows of dsv3 at 4096 tokens (128 rows per expert, the large tile), its workspace
+    read back. First call: weights times 2^-24 (every scale byte far below 112, f16's own range)
+    and token rows times 2^-20 .. 2^10, every 97th zero: no expert falls back, and h is within
+    the tolerance of the reference. Second call: in every expert but one, one gate row's block
+    (past the 16 that place its window) raised by 2^24, above the window (f16 would overflow):
+    exactly those experts fall back, and h outside that column's 32-column block is byte for byte
+    the first call's."""
     s = jsm.SHAPES["dsv3"]
     r = _util.rng()
-    x, ids, w = self.inputs(s, 4096, "uniform", r)
-    x = x.at[::97].set(0)
-    # the weights times 2^4 (scale bytes ~117-119; random_w1q's ~113-115 lie close to 112), so
-    # that every scale of the first call is within f16's range (checked: the f16 pass runs)
+    T, E = 4096, s.num_experts
+    x, ids, w = self.inputs(s, T, "uniform", r)
+    x = (x * jnp.exp2(on(GPU, jnp.asarray(r.integers(-20, 11, (T, 1)), jnp.float32)))).astype(
+        jnp.bfloat16).at[::97].set(0)
     w1q = self.w1q("dsv3")
-    scales = np.asarray(w1q.scales) + np.uint8(4)
-    w1q = jsm.QuantizedW1(w1q.values, on(GPU, jnp.asarray(scales)))
-    x_scales = np.asarray(jsm.quantize(x).scales)
-    self.assertTrue((x_scales[::97] == 85).all())
-    for name, b in (("w1", scales), ("x", np.delete(x_scales, np.s_[::97], axis=0))):
-      self.assertTrue(((b >= 112) & (b <= 134)).all(), f"{name}'s scales must be within f16's")
+    small = np.asarray(w1q.scales) - np.uint8(24)
+    self.assertTrue((small < 112).all())
     col = int(r.integers(s.intermediate))  # a gate row: h's column col
-    kept = int(r.integers(s.num_experts))  # the expert that stays in f16
-    low = scales.copy()
-    lowered = np.arange(s.num_experts) != kept
-    low[lowered, col, 0] -= np.uint8(24)
-    self.assertTrue((low[lowered, col, 0] < 112).all())
-    w1q_low = jsm.QuantizedW1(w1q.values, on(GPU, jnp.asarray(low)))
-    cfg, f = local_stage1("dsv3", out_dtype)
-    out_f16, _ = self.run_and_check_layout(s, cfg, f, x, ids, w, w1q)
-    out_mixed, landed = self.run_and_check_layout(s, cfg, f, x, ids, w, w1q_low)
+    kept = int(r.integers(E))  # the expert that stays in f16
+    raised = small.copy()
+    lowered = np.arange(E) != kept
+    raised[lowered, col, 16 + int(r.integers(s.hidden // 32 - 16))] += np.uint8(24)
+    cap = jsm.layout.m_cap(1, T, s.topk, E, jsm.Stage1Config().row_align)
+    landed = jax.tree.map(lambda a: a[0], jax.jit(reference.dispatch, static_argnums=(3, 4, 5))(
+        jax.tree.map(lambda a: a[None], jsm.quantize(x)), ids[None], w[None], E,
+        jsm.Stage1Config().row_align, cap))
+    opts = primitives.Gemm1Options(s.swiglu_limit, out_dtype, jsm.layout.GEMM_TILE_TOKENS[0])
+    region = cap // min(jsm.layout.GEMM_TILE_TOKENS) + E
+    hs, fallbacks = [], []
+    for scales in (small, raised):
+      q = jsm.QuantizedW1(w1q.values, on(GPU, jnp.asarray(scales)))
+      *h, _, words = _gemm1_with_workspace(landed, q, opts)
+      hs.append(h)
+      fallbacks.append(np.asarray(words)[jsm.layout.GEMM_FLAG_REGIONS * region:][:E + 1])
+    np.testing.assert_array_equal(fallbacks[0], 0, "an expert fell back with every scale in its "
+                                  "row's window")
+    np.testing.assert_array_equal(fallbacks[1], np.r_[lowered, True].astype(np.uint32))
     blk = col // 32  # h's MX block (mxfp8 output) of that column
-    for a, b in zip(jax.tree.leaves(out_f16.h), jax.tree.leaves(out_mixed.h), strict=True):
+    for a, b in zip(*hs, strict=True):
       a, b = _util.as_bytes(a), _util.as_bytes(b)
       width = 32 if a.shape[1] == s.intermediate else 1  # values or bf16 columns; MX scales
       keep = np.r_[0:blk * width, (blk + 1) * width:a.shape[1]]
       np.testing.assert_array_equal(a[:, keep], b[:, keep])
-    self.check_experts(out_mixed, landed, w1q_low, s.swiglu_limit, out_dtype, r, also=(kept,))
+    for scales, h in zip((small, raised), hs):
+      out = types.SimpleNamespace(h=h[0] if out_dtype == "bf16" else jsm.MXFP8(*h),
+                                  expert_offsets=landed.expert_offsets,
+                                  expert_counts=landed.expert_counts)
+      self.check_experts(out, jax.tree.map(lambda a: a[None], landed),
+                         jsm.QuantizedW1(w1q.values, on(GPU, jnp.asarray(scales))),
+                         s.swiglu_limit, out_dtype, r, also=(kept,))
 
   def check_experts(self, out, landed, w1q, limit, out_dtype, r, also=()):
     offs, cnts = np.asarray(out.expert_offsets), np.asarray(out.expert_counts)

@@ -120,9 +120,10 @@ class Stage1Test(parameterized.TestCase):
     results = call.split("->")[-1]
     if H % 512 == 0:
       self.assertIn(f"tensor<{cap}x{2 * H}xui8>", results)
-      # a region per launch of one flag per row tile of the smaller tile, the fallback words
+      # a region per launch of one flag per row tile of the smaller tile, the fallback words,
+      # a row factor per landed row
       row_tiles = cap // min(jsm.layout.GEMM_TILE_TOKENS) + E
-      flags = jsm.layout.GEMM_FLAG_REGIONS * row_tiles + E + 1
+      flags = jsm.layout.GEMM_FLAG_REGIONS * row_tiles + E + 1 + cap
       self.assertIn(f"tensor<{flags}xui32>", results)
     else:
       self.assertIn("tensor<0xui8>", results)

@@ -35,13 +35,17 @@ enum RowPart : int { kAllRows = 0, kHeadRows, kWideRows, kTailRows };
 constexpr int64_t bf16_row_tiles_bound(int64_t m_cap, int EL) {
   return m_cap / kBf16SmallTileTokens + EL;
 }
-// The workspace's flag words: one region of row-tile flags per launch of a call (the f16 pass's
-// head, wide and tail launches, then the bf16 pass's one), and after them the f16 pass's fallback
-// words (Gemm1Args::fallback: one per expert and one for any): all zeroed by one memset per call.
+// The workspace's words: one region of row-tile flags per launch of a call (the f16 pass's head,
+// wide and tail launches, then the bf16 pass's one), and after them the f16 pass's fallback words
+// (Gemm1Args::fallback: one per expert and one for any), all zeroed by one memset per call; then
+// the f16 pass's row factors (Gemm1Args::row_factor: one per landed row, written before read).
 // jax_sdma_moe/layout.py's bf16_gemm_workspace sizes them by this rule (GEMM_FLAG_REGIONS).
 constexpr int kBf16FlagRegions = 4;
 constexpr int64_t bf16_flag_words(int64_t m_cap, int EL) {
   return kBf16FlagRegions * bf16_row_tiles_bound(m_cap, EL) + EL + 1;
+}
+constexpr int64_t bf16_workspace_words(int64_t m_cap, int EL) {
+  return bf16_flag_words(m_cap, EL) + m_cap;
 }
 
 struct Gemm1Args {
@@ -61,7 +65,7 @@ struct Gemm1Args {
   uint8_t* h_scales;   // [m_cap, I/32]
   // The 16-bit kernel's workspace (null: that kernel does not run): the landed rows upcast to f16
   // or bf16 once per launch, [m_cap, H] in the kernel's K order, and the flag words
-  // (xb_ready_count >= bf16_flag_words(m_cap, EL)); a launch's xb_ready is its region's.
+  // (xb_ready_count >= bf16_workspace_words(m_cap, EL)); a launch's xb_ready is its region's.
   uint8_t* xb;
   uint32_t* xb_ready;
   int64_t xb_ready_count;
@@ -69,11 +73,13 @@ struct Gemm1Args {
   // launch covers.
   int row_part;
   // The 16-bit kernel's two passes (launch_bf16_route): the f16 one, exact where every block's
-  // scale keeps its values in f16's range (mx_bf16.cuh f16_scale), sets fallback[e] and
+  // scale is within its row's window (mx_bf16.cuh window_bias), sets fallback[e] and
   // fallback[EL] (words after the row-tile flags, zeroed per call) where a block of expert e's
-  // weights or rows does not; the bf16 launch after it (redo) then redoes those experts' tiles,
-  // and returns at once where fallback[EL] is 0.
+  // weights or rows is not; the bf16 launch after it (redo) then redoes those experts' tiles,
+  // and returns at once where fallback[EL] is 0. row_factor[r]: 2^(landed row r's window bias),
+  // written by the f16 pass's transform, read by its epilogue.
   uint32_t* fallback;
+  float* row_factor;
   bool redo = false;
   // Fused with a dispatch (engines ce, sm): the call's epoch is *epoch_counter (on the device, so
   // a replayed CUDA graph reads the right one); the rows are the landing slot of its parity, and

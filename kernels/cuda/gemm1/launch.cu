@@ -53,6 +53,8 @@ std::string tensor_map(CUtensorMap* map, const void* base, int64_t cols, int64_t
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+// The f16 pass reads a row's scale bytes 4 at a time (mx_bf16.cuh top_scale).
+bool aligned4(const void* p) { return reinterpret_cast<uintptr_t>(p) % 4 == 0; }
 
 // The 16-bit kernel (both GEMMs; swiglu: GEMM1) with its TMA maps over the workspace's rows
 // and the weights [weight_rows, H]: the f16 pass, then the bf16 one where it met a scale outside
@@ -62,11 +64,12 @@ std::string launch_bf16_route(Gemm1Args g, int64_t weight_rows, int grid,
   if (tile_tokens != kBf16TileTokens && tile_tokens != kBf16SmallTileTokens)
     return "jax_sdma_moe GEMM: tile_tokens must be " + std::to_string(kBf16TileTokens) + " or " +
            std::to_string(kBf16SmallTileTokens) + ", got " + std::to_string(tile_tokens);
-  if (g.xb_ready_count < bf16_flag_words(g.m_cap, g.EL))
-    return "jax_sdma_moe GEMM: the workspace has too few flag words";
+  if (g.xb_ready_count < bf16_workspace_words(g.m_cap, g.EL))
+    return "jax_sdma_moe GEMM: the workspace has too few words";
   uint32_t* const flags = g.xb_ready;
   const int64_t region = bf16_row_tiles_bound(g.m_cap, g.EL);
   g.fallback = flags + kBf16FlagRegions * region;
+  g.row_factor = reinterpret_cast<float*>(g.fallback + g.EL + 1);
   Bf16RsMaps maps;
   std::string err = tensor_map(&maps.w, g.w, g.H, weight_rows, kBf16WeightBoxRows, kBf16StageK);
   if (err.empty())
@@ -119,15 +122,17 @@ std::string launch_gemm1(Gemm1Args g, int grid, cudaStream_t stream, const Gemm1
   g.scales_aligned = scales_aligned(g, KB);
   const uint8_t* rows0 = g.epoch_counter ? g.slot_values[0] : g.a;
   const uint8_t* rows1 = g.epoch_counter ? g.slot_values[1] : g.a;
+  const uint8_t* scales0 = g.epoch_counter ? g.slot_scales[0] : g.a_scales;
+  const uint8_t* scales1 = g.epoch_counter ? g.slot_scales[1] : g.a_scales;
   // TMA: 16-byte aligned bases and row strides (H / 32 a multiple of 16)
   if (g.H % 512 == 0 && g.I % 64 == 0 && g.xb != nullptr && aligned16(g.w_scales) &&
-      aligned16(rows0) && aligned16(rows1)) {
+      aligned16(rows0) && aligned16(rows1) && aligned4(scales0) && aligned4(scales1)) {
     err = launch_bf16_route(g, int64_t(g.EL) * 2 * g.I, grid, stream, /*swiglu=*/true,
                             opt.tile_tokens);
     if (!err.empty()) return err;
   } else if (g.source_rows) {  // only the bf16 kernel reads rows through a row map
     return "jax_sdma_moe gemm1: rows by token (engine local's fused call) need the bf16 kernel "
-           "(H % 512 == 0, I % 64 == 0, 16-byte aligned rows and scales); use dispatch then "
+           "(H % 512 == 0, I % 64 == 0, aligned rows and scales); use dispatch then "
            "gemm1";
   } else if (g.H % 128 == 0) {
     CUtensorMap map_a0, map_a1, map_b;
@@ -158,7 +163,7 @@ std::string launch_gemm2(Gemm1Args g, int grid, cudaStream_t stream, int64_t til
   std::string err = last_error("gemm2 padding");
   if (!err.empty() || g.m_cap == 0) return err;
   if (g.H % 512 == 0 && g.I % 256 == 0 && g.xb != nullptr && aligned16(g.w_scales) &&
-      aligned16(g.a)) {
+      aligned16(g.a) && aligned4(g.a_scales)) {
     err = launch_bf16_route(g, int64_t(g.EL) * g.I, grid, stream, /*swiglu=*/false, tile_tokens);
     if (!err.empty()) return err;
   } else {  // the correctness path (kernels/common/gpu_stage2.h), shared with ROCm

@@ -57,8 +57,9 @@ __device__ __forceinline__ void upcast4(uint32_t w, uint32_t factor, bool slow, 
 // one cvt.rn.f16x2.e4m3x2 (half the instructions of upcast4's bf16 form), and its value times
 // 2^(e - 127) is still exactly an f16 where f16_scale(e) holds, 112 <= e <= 134: values from
 // 2^-9 * 2^-15 = 2^-24 (f16's least subnormal) to 448 * 2^7 < 65504. f16 wgmma sums the exact
-// products in float32 as bf16 wgmma does. A block outside that range, or with the NaN scale,
-// sends the call to the bf16 form (Gemm1Args::fallback).
+// products in float32 as bf16 wgmma does. Rows shift their scales into that range (the windows
+// below); a block outside its row's window, or with the NaN scale, sends its expert to the bf16
+// form (Gemm1Args::fallback).
 __device__ __forceinline__ bool f16_scale(uint32_t e) { return e - 112u <= 22u; }
 
 // 2^(e - 127) as f16 bits in both halves, for f16_scale(e) (2^-15: the subnormal 0x0200).
@@ -85,6 +86,42 @@ __device__ __forceinline__ void upcast4_f16(uint32_t w, uint32_t factor, uint32_
   hi = mul_f16x2(b, factor);
 }
 
+// The f16 pass's exponent windows. Products of dequantised values are exact at any common power of
+// two, so each token row and each weight row takes its own window of 23 scale bytes: its blocks
+// are upcast at 2^(e - 127 - bias) with e - bias within 112..134 (f16_scale), and the epilogue
+// multiplies the float32 sum by 2^(bias_weight_row + bias_token_row), exact in float32 (|bias| <=
+// kMaxBias keeps both factors and the scaled sums far from its range's ends). So small weights or
+// rows (scale bytes below 112: amax < 0.0068) stay in f16; only a row whose scales span more than
+// its window sends its expert to the bf16 pass. A token row's window ends at its largest scale
+// (the transform reads all of the row's scales first); a weight row's is placed by the largest
+// scale of a tile's first 16 blocks (the first scale super-stage, in shared memory when the tile
+// starts), kWeightHeadroom below the window's top. The NaN scale is in no window.
+constexpr int kMaxBias = 64, kWeightHeadroom = 8;
+constexpr uint32_t kF16TopScale = 134;
+
+// The bias of a window whose top scale byte is top_at (kF16TopScale for the row's largest scale).
+__device__ __forceinline__ int window_bias(uint32_t top, uint32_t top_at) {
+  return min(max(int(top) - int(top_at), -kMaxBias), kMaxBias);
+}
+// m's bytes maxed with those of w that are not the NaN scale.
+__device__ __forceinline__ uint32_t finite_max4(uint32_t m, uint32_t w) {
+  return __vmaxu4(m, w & ~__vcmpeq4(w, 0xFFFFFFFFu));
+}
+__device__ __forceinline__ uint32_t max_byte(uint32_t m) {
+  m = max(m & 0xFFFFu, m >> 16);
+  return max(m & 0xFFu, m >> 8);
+}
+// The largest scale byte other than NaN's among n (a multiple of 4) 4-byte-aligned bytes.
+__device__ __forceinline__ uint32_t top_scale(const uint8_t* s, int n) {
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(s);
+  uint32_t m = 0;
+#pragma unroll 8
+  for (int i = 0; i < n / 4; ++i) m = finite_max4(m, w[i]);
+  return max_byte(m);
+}
+// 2^k as a float32, |k| <= 126.
+__device__ __forceinline__ float pow2(int k) { return __int_as_float((k + 127) << 23); }
+
 // The K order of a stage (128 elements: four MX blocks). `wgmma` sums over K in any order, so
 // a stage's K is permuted such that each consumer thread's A fragments come from ONE MX block of
 // its weight rows: thread tig of a quad reads block tig of the stage (32 bytes, two conflict-free
@@ -96,26 +133,28 @@ __device__ __forceinline__ void upcast4_f16(uint32_t w, uint32_t factor, uint32_
 // 0-1 (q = 0) or 2-3 (q = 1) of word 2 lb + s of blocks tig = 0..3.
 //
 // One stage of a token row (blocks in[tig] = 32 fp8 values, scale bytes e[tig]) -> 256 bytes of
-// bf16 (kF16: f16) in the workspace in that order. Returns false where kF16 and a block's scale
-// is outside f16's range (f16_scale) and its values are not all zero: the bytes written are then
-// not the values. An all-zero block (a zero token row's: scale byte 85) is zeros at any scale, so
-// it is exact in f16 (its factor taken as 1, never inf); the NaN scale is never exact.
+// bf16 (kF16: f16, in the row's window: bias) in the workspace in that order. Returns false where
+// kF16 and a block's scale is outside the window and its values are not all zero: the bytes
+// written are then not the values. An all-zero block (a zero token row's: scale byte 85) is zeros
+// at any scale, so it is exact in f16 (its factor taken as 1, never inf); the NaN scale is never
+// exact.
 template <bool kF16>
 __device__ __forceinline__ bool upcast_stage(const uint4 (&in)[4][2], const uint32_t (&e)[4],
-                                             uint8_t* dst) {
+                                             int bias, uint8_t* dst) {
   bool slow[4], exact = true;
   uint32_t f[4];
 #pragma unroll
   for (int b = 0; b < 4; ++b) {
     slow[b] = !kF16 && !fast_scale(e[b]);
     if (kF16) {
-      const bool in_range = f16_scale(e[b]);
+      const uint32_t eb = e[b] - uint32_t(bias);  // wraps below 0: out of range
+      const bool in_range = f16_scale(eb);
       if (!in_range) {  // rare: only here are the block's bytes looked at
         const uint4 &lo = in[b][0], &hi = in[b][1];
         const uint32_t any = lo.x | lo.y | lo.z | lo.w | hi.x | hi.y | hi.z | hi.w;
         exact &= (any & 0x7F7F7F7Fu) == 0 && e[b] != kScaleNaN;  // +-0 bytes only
       }
-      f[b] = factor_f16x2(in_range ? e[b] : 127u);
+      f[b] = factor_f16x2(in_range ? eb : 127u);
     } else {
       f[b] = factor_bf16x2(e[b], slow[b]);
     }

@@ -106,6 +106,7 @@ struct Shared {
   Stage<kTok> s[kStages<kTok>];
   ScaleStage scales[2];
   EpiStaging<kTok> epi;
+  int row_bias[kTok];  // the transform's: its row tile's windows (f16 pass)
   uint64_t loaded[kStages<kTok>], empty[kStages<kTok>], scales_loaded[2], scales_empty[2];
 };
 static_assert(sizeof(Stage<kBf16WideTileTokens>::x) >= 2 * kEpiFloats * sizeof(float),
@@ -233,10 +234,12 @@ __device__ __forceinline__ void mark_fallback(const Gemm1Args& g, int e) {
 // CTA's loader. Quarters let 4 CTAs share the first row tiles, which every CTA waits for at the
 // start; each thread upcasts one stage (four blocks, their loads in flight together: the loop is
 // latency-bound) of a row at a time. The rows come from g.a at their landed row, or in engine
-// local's fused call at their token's row (g.source_rows). t: 0..95.
+// local's fused call at their token's row (g.source_rows). kF16: first the windows of the row
+// tile's rows (mx_bf16.cuh), in `bias`; the item of the first quarter keeps their factors for the
+// epilogue (g.row_factor). t: 0..95.
 template <bool kF16, class Scheduler>
 __device__ __forceinline__ void transform_row_tiles(const Gemm1Args& g, const Scheduler& sched,
-                                                    int t) {
+                                                    int* bias, int t) {
   const int items = sched.total(g) / Scheduler::n_tiles(g) * kChunks, nks = int(g.H / KS);
   int ready = -1;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
@@ -245,12 +248,24 @@ __device__ __forceinline__ void transform_row_tiles(const Gemm1Args& g, const Sc
     const int s0 = chunk * nks / kChunks, width = (chunk + 1) * nks / kChunks - s0;
     if (t < kWarp) Scheduler::wait_arrival(g, tile.e, ready, t);
     transform_barrier();
+    auto source = [&](int64_t row) { return g.source_rows ? g.source_rows[row] : row; };
+    if (kF16) {
+      const int n_scales = int(g.H / kBlock);
+      for (int r = t; r < tile.rows; r += kTransformThreads) {
+        const int64_t row = tile.row0 + r;
+        const int b = window_bias(top_scale(g.a_scales + source(row) * n_scales, n_scales),
+                                  kF16TopScale);
+        bias[r] = b;
+        if (chunk == 0) g.row_factor[row] = pow2(b);
+      }
+      transform_barrier();
+    }
     const int n = tile.rows * width;  // (row, stage) pairs i = r * width + stage - s0
     for (int i = t; i < n; i += kTransformThreads) {
       const int64_t row = tile.row0 + i / width;
       const int64_t k0 = int64_t(s0 + i % width) * KS;  // the stage's first element
       const int64_t at = row * g.H + k0;
-      const int64_t from = (g.source_rows ? g.source_rows[row] : row) * g.H + k0;
+      const int64_t from = source(row) * g.H + k0;
       const uint4* src = reinterpret_cast<const uint4*>(g.a + from);
       uint4 in[4][2];
       uint32_t e[4];
@@ -260,7 +275,8 @@ __device__ __forceinline__ void transform_row_tiles(const Gemm1Args& g, const Sc
         in[b][1] = src[2 * b + 1];
         e[b] = g.a_scales[from / kBlock + b];
       }
-      if (!upcast_stage<kF16>(in, e, g.xb + at * 2)) mark_fallback(g, tile.e);
+      if (!upcast_stage<kF16>(in, e, kF16 ? bias[i / width] : 0, g.xb + at * 2))
+        mark_fallback(g, tile.e);
     }
     asm volatile("fence.proxy.async.global;" ::: "memory");  // other CTAs' TMA reads them next
     transform_barrier();
@@ -341,14 +357,39 @@ __device__ __forceinline__ void load_half(RawHalf& raw, uint32_t w_base, int cw,
                                       stage_row<kSwiglu>(0, 0, 0)) * KS);
 }
 
+// The window biases (mx_bf16.cuh) of the thread's rows [part][h] (see load_half), + kMaxBias, a
+// byte each (packed_bias): each placed by the largest scale of the row's first 16 blocks, the
+// tile's first scale super-stage.
+template <bool kSwiglu>
+__device__ __forceinline__ uint32_t weight_biases(const ScaleStage& sc, int cw, int row_g) {
+  static_assert(kScaleBytes == 16, "a row's scale bytes of a super-stage: one 16-byte load");
+  uint32_t packed = 0;
+#pragma unroll
+  for (int part = 0; part < 2; ++part)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint4 v =
+          *reinterpret_cast<const uint4*>(sc.w[stage_row<kSwiglu>(cw, part, row_g + 8 * h)]);
+      const uint32_t m = finite_max4(finite_max4(finite_max4(finite_max4(0u, v.x), v.y), v.z),
+                                     v.w);
+      const int b = window_bias(max_byte(m), kF16TopScale - kWeightHeadroom);
+      packed |= uint32_t(b + kMaxBias) << (8 * (2 * part + h));
+    }
+  return packed;
+}
+__device__ __forceinline__ int packed_bias(uint32_t packed, int part, int h) {
+  return int((packed >> (8 * (2 * part + h))) & 0xFFu) - kMaxBias;
+}
+
 // The factors of the rows' scale bytes of the stage (sk: the stage's first in the super-stage
 // `sc`). The two-step multiply is chosen per warp: both forms give the same bf16 wherever the
-// one-step form applies, so a warp's choice does not change the result. kF16: f16 factors, and
-// `slow` a scale outside f16's range, which marks expert `expert` (the bf16 pass redoes it).
+// one-step form applies, so a warp's choice does not change the result. kF16: f16 factors in the
+// rows' windows (wbias: weight_biases), and `slow` a scale outside its window, which marks expert
+// `expert` (the bf16 pass redoes it).
 template <bool kSwiglu, bool kF16>
 __device__ __forceinline__ void stage_factors(const Gemm1Args& g, StageFactors& sf,
                                               const ScaleStage& sc, int sk, int cw, int row_g,
-                                              int tig, int expert) {
+                                              int tig, int expert, uint32_t wbias) {
   uint32_t e[2][2];
   bool slow = false;
 #pragma unroll
@@ -356,6 +397,7 @@ __device__ __forceinline__ void stage_factors(const Gemm1Args& g, StageFactors& 
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       e[part][h] = sc.w[stage_row<kSwiglu>(cw, part, row_g + 8 * h)][sk + tig];
+      if (kF16) e[part][h] -= uint32_t(packed_bias(wbias, part, h));  // wraps: out of range
       slow |= kF16 ? !f16_scale(e[part][h]) : !fast_scale(e[part][h]);
     }
   sf.slow = __any_sync(0xFFFFFFFFu, slow);
@@ -444,10 +486,11 @@ __device__ __forceinline__ void store_h_half(const Gemm1Args& g, int64_t row, in
 }
 
 // 64 columns of the output, col0 .., x the tile's tokens from the warpgroup's fragments
-// (value(i): fragment index i's float), staged through shared memory 32 tokens at a time, so that
+// (value(i, h, tf): fragment index i's float, of row half h, with the token row's factor tf: its
+// window's in the f16 pass, else 1), staged through shared memory 32 tokens at a time, so that
 // each thread stores 16 consecutive columns of one token (half an MX block; its partner lane the
 // other half): all 128 threads store.
-template <int kTok, class Value>
+template <int kTok, bool kF16, class Value>
 __device__ __forceinline__ void store_columns(const Gemm1Args& g, const Tile& t, float* epi,
                                               Value value, int64_t col0, int cw, int tid,
                                               int row_g, int tig) {
@@ -462,12 +505,16 @@ __device__ __forceinline__ void store_columns(const Gemm1Args& g, const Tile& t,
     for (int j = 0; j < kPass / 8; ++j) {
       if (pass * kPass + j * 8 >= kTok) break;  // the wide tile's last pass: 24 tokens
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
+      for (int c = 0; c < 2; ++c) {
+        const int tok = pass * kPass + j * 8 + 2 * tig + c;
+        // 0 past the tile's rows (never stored; the factors there are another tile's)
+        const float tf = !kF16 ? 1.0f : tok < t.rows ? g.row_factor[t.row0 + tok] : 0.0f;
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
+        for (int h = 0; h < 2; ++h) {
           const int i = pass * (kPass / 2) + j * 4 + 2 * h + c;
-          epi[(j * 8 + 2 * tig + c) * kEpiStride + row_g + 8 * h] = value(i);
+          epi[(j * 8 + 2 * tig + c) * kEpiStride + row_g + 8 * h] = value(i, h, tf);
         }
+      }
     }
     consumer_barrier(cw);
     float v[16];
@@ -484,20 +531,34 @@ __device__ __forceinline__ void store_columns(const Gemm1Args& g, const Tile& t,
 }
 
 // The warpgroup's output: GEMM1, SwiGLU of its 64 gate/up column pairs; GEMM2, its 128 columns.
-template <bool kSwiglu, int kTok>
+// kF16: the sums times the factors of their weight rows' windows (wbias) and tokens' (the
+// transform's g.row_factor, acquired with the row tile's flag), before SwiGLU.
+template <bool kSwiglu, int kTok, bool kF16>
 __device__ __forceinline__ void epilogue(const Gemm1Args& g, const Tile& t, float* epi,
                                          const float (&acc0)[kTok / 2],
                                          const float (&acc1)[kTok / 2], int cw, int tid,
-                                         int row_g, int tig) {
+                                         int row_g, int tig, uint32_t wbias) {
   const int64_t col0 = t.n0 + cw * kWgCols<kSwiglu>;
+  float wf[2][2];
+#pragma unroll
+  for (int part = 0; part < 2; ++part)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) wf[part][h] = kF16 ? pow2(packed_bias(wbias, part, h)) : 1.0f;
+  if (kF16) ld_acquire_gpu(g.xb_ready + t.rt);
   if (kSwiglu) {
-    store_columns<kTok>(
-        g, t, epi, [&](int i) { return swiglu(acc0[i], acc1[i], g.has_limit, g.limit); }, col0,
-        cw, tid, row_g, tig);
+    store_columns<kTok, kF16>(
+        g, t, epi,
+        [&](int i, int h, float tf) {
+          return swiglu(acc0[i] * wf[0][h] * tf, acc1[i] * wf[1][h] * tf, g.has_limit, g.limit);
+        },
+        col0, cw, tid, row_g, tig);
   } else {
-    store_columns<kTok>(g, t, epi, [&](int i) { return acc0[i]; }, col0, cw, tid, row_g, tig);
-    store_columns<kTok>(g, t, epi, [&](int i) { return acc1[i]; }, col0 + 64, cw, tid, row_g,
-                        tig);
+    store_columns<kTok, kF16>(
+        g, t, epi, [&](int i, int h, float tf) { return acc0[i] * wf[0][h] * tf; }, col0, cw,
+        tid, row_g, tig);
+    store_columns<kTok, kF16>(
+        g, t, epi, [&](int i, int h, float tf) { return acc1[i] * wf[1][h] * tf; }, col0 + 64,
+        cw, tid, row_g, tig);
   }
 }
 
@@ -515,6 +576,7 @@ __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared<kTok>& s
   const int warp = tid / 32, lane = tid % 32;
   const int row_g = warp * 16 + lane / 4, tig = lane % 4;
   const bool active = t.n0 + cw * kWgCols<kSwiglu> < g.I;
+  uint32_t wbias = 0;  // kF16: weight_biases, at the tile's first stage
 #pragma unroll
   for (int i = 0; i < kTok / 2; ++i) gate[i] = up[i] = 0.0f;
   // per warp: every lane is done with it
@@ -534,8 +596,9 @@ __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared<kTok>& s
     if (active) {
       const uint32_t w_base = smem_addr(sh.s[slot].w);
       const uint64_t b_desc = smem_desc_addr(smem_addr(sh.s[slot].x));
+      if (kF16 && ks == 0) wbias = weight_biases<kSwiglu>(sc, cw, row_g);
       StageFactors sf;
-      stage_factors<kSwiglu, kF16>(g, sf, sc, sk, cw, row_g, tig, t.e);
+      stage_factors<kSwiglu, kF16>(g, sf, sc, sk, cw, row_g, tig, t.e, wbias);
       RawHalf raw;
 #pragma unroll
       for (int blk = 0; blk < NB; ++blk) {
@@ -566,7 +629,8 @@ __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared<kTok>& s
   if constexpr (kEpiInSlot<kTok>) consumers_barrier();  // no wgmma reads the slot's rows now
   else release(&sh.empty[last]);
   if (active)
-    epilogue<kSwiglu, kTok>(g, t, epi_staging(sh, last, cw), gate, up, cw, tid, row_g, tig);
+    epilogue<kSwiglu, kTok, kF16>(g, t, epi_staging(sh, last, cw), gate, up, cw, tid, row_g, tig,
+                                  wbias);
   if constexpr (kEpiInSlot<kTok>) release(&sh.empty[last]);  // the staging is free (its barrier)
 }
 
@@ -603,7 +667,7 @@ __device__ __forceinline__ void gemm_body(const Gemm1Args& g_in, const Bf16RsMap
     Registers<kTok>::producer();
     if (tid < kWarp)
       load_stages<kSwiglu, kTok>(g, sh, sched, &maps.xb, &maps.w, &maps.w_scales, tid);
-    else transform_row_tiles<kF16>(g, sched, tid - kWarp);
+    else transform_row_tiles<kF16>(g, sched, sh.row_bias, tid - kWarp);
     return;
   }
 
