@@ -92,16 +92,19 @@ std::string launch_bf16_route(Gemm1Args g, int64_t weight_rows, int grid,
                          {kAllRows, kBf16SmallTileTokens, false}};
   const Part all[2] = {{kAllRows, int(tile_tokens), true},
                        {kAllRows, kBf16SmallTileTokens, false}};
+  constexpr int n_split = sizeof(split) / sizeof(split[0]), n_all = sizeof(all) / sizeof(all[0]);
+  static_assert(n_split == kBf16FlagRegions && n_all <= n_split, "a flag region per launch");
   const bool large = tile_tokens == kBf16TileTokens;
   const Part* parts = large ? split : all;
-  static_assert(kBf16FlagRegions == 4, "a flag region per launch of split");
   cudaMemsetAsync(flags, 0, size_t(bf16_flag_words(g.m_cap, g.EL)) * sizeof(uint32_t), stream);
-  for (int i = 0; i < (large ? 4 : 2) && err.empty(); ++i) {
+  for (int i = 0; i < (large ? n_split : n_all) && err.empty(); ++i) {
     const Part& part = parts[i];
     g.row_part = part.rows;
     g.redo = !part.f16;  // the experts the f16 pass marked in g.fallback, if any
     g.xb_ready = flags + i * region, g.xb_ready_count = region;
-    err = tensor_map(&maps.xb, g.xb, 2 * g.H, g.m_cap, part.tokens, 128);
+    // the rows' map: boxes of the launch's tile width (the one before's where it is the same)
+    if (i == 0 || part.tokens != parts[i - 1].tokens)
+      err = tensor_map(&maps.xb, g.xb, 2 * g.H, g.m_cap, part.tokens, 128);
     if (err.empty()) launch_sm90_mx_bf16_rs(g, maps, grid, stream, swiglu, part.tokens, part.f16);
   }
   return err;
