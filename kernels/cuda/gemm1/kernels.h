@@ -37,9 +37,9 @@ struct Bf16RsMaps {
 constexpr int kBf16TileCols = 128, kBf16StageK = 128, kBf16WeightBoxRows = 128;
 // swiglu: GEMM1 (gate and up rows, SwiGLU); else GEMM2 (plain, g.I output columns; see
 // SchedulerFor in the .cu). tile_tokens: kBf16TileTokens, kBf16WideTileTokens or
-// kBf16SmallTileTokens (args.h). f16: the f16 pass (exact where every scale is within f16's
-// range; else it marks the expert in g.fallback and the bf16 pass after it redoes that expert's
-// tiles: Gemm1Args::redo).
+// kBf16SmallTileTokens (args.h). f16: the f16 pass (exact where every block's scale is within its
+// row's window, mx_bf16.cuh; else it marks the expert in g.fallback and the bf16 pass after it
+// redoes that expert's tiles: Gemm1Args::redo).
 void launch_sm90_mx_bf16_rs(const Gemm1Args& g, const Bf16RsMaps& maps, int grid,
                             cudaStream_t stream, bool swiglu, int tile_tokens, bool f16);
 

@@ -57,8 +57,9 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 bool aligned4(const void* p) { return reinterpret_cast<uintptr_t>(p) % 4 == 0; }
 
 // The 16-bit kernel (both GEMMs; swiglu: GEMM1) with its TMA maps over the workspace's rows
-// and the weights [weight_rows, H]: the f16 pass, then the bf16 one where it met a scale outside
-// f16's range. One memset zeroes every launch's flag region and the fallback words.
+// and the weights [weight_rows, H]: the f16 pass, then the bf16 one for the experts where it met a
+// block outside its row's window. One memset zeroes every launch's flag region and the fallback
+// words.
 std::string launch_bf16_route(Gemm1Args g, int64_t weight_rows, int grid,
                               cudaStream_t stream, bool swiglu, int64_t tile_tokens) {
   if (tile_tokens != kBf16TileTokens && tile_tokens != kBf16SmallTileTokens)
@@ -79,8 +80,8 @@ std::string launch_bf16_route(Gemm1Args g, int64_t weight_rows, int grid,
   // 128-token tile a tail costs what a full one does (the weights' loads and upcasts are per
   // tile, not per row); joined to the expert's last full tile in a wide one it costs the wide
   // tile's extra tokens; in a 32-token tile, little more than its weights' stream from HBM.
-  // The bf16 pass (rare: a scale outside f16's range) takes every row in one launch of the small
-  // tile, whose bytes are the same as any tile width's.
+  // The bf16 pass (rare: a block outside its row's window) takes every row in one launch of the
+  // small tile, whose bytes are the same as any tile width's.
   struct Part {
     RowPart rows;
     int tokens;

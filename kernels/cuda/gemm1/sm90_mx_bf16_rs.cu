@@ -219,8 +219,8 @@ __device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared<kTok>& sh
   }
 }
 
-// The f16 pass met a block of expert e outside f16's range (mx_bf16.cuh f16_scale): the bf16
-// pass redoes expert e's tiles (Gemm1Args::fallback).
+// The f16 pass met a block of expert e outside its row's window (mx_bf16.cuh window_bias): the
+// bf16 pass redoes expert e's tiles (Gemm1Args::fallback).
 __device__ __forceinline__ void mark_fallback(const Gemm1Args& g, int e) {
   g.fallback[e] = 1;
   g.fallback[g.EL] = 1;
@@ -559,7 +559,7 @@ template <bool kSwiglu, int kTok, bool kF16>
 __device__ __forceinline__ void gemm_body(const Gemm1Args& g_in, const Bf16RsMaps& maps) {
   using Scheduler = SchedulerFor<kSwiglu, kTok>;
   constexpr int STAGES = kStages<kTok>;
-  // the bf16 pass after an f16 one runs only where that one met a scale outside f16's range
+  // the bf16 pass after an f16 one runs only where that one met a block outside its window
   if (!kF16 && g_in.redo && g_in.fallback[g_in.EL] == 0) return;
   const Gemm1Args g = resolve_slot(g_in);
   extern __shared__ uint8_t smem_raw[];
