@@ -48,26 +48,27 @@ def cpu_ref(fn, *args, **kw):
     return fn(*on(CPU, args), **kw)
 
 
-def _gemm1_with_workspace(landed, w1q, options):
-  """gemm1 on landed rows (one rank's Landed) with its CUDA workspace as results, which the
-  library's primitive drops at lowering: (*h, the 16-bit rows, the words; layout.py
-  bf16_gemm_workspace)."""
+@functools.cache
+def _gemm1_workspace_primitive():
+  """gemm1's primitive with its CUDA workspace as results, which the library's drops at
+  lowering: (*h, the 16-bit rows, the words; layout.py bf16_gemm_workspace)."""
   def abstract(values, scales, offsets, counts, w_values, w_scales, *, options):
     work = jsm.layout.gemm1_workspace(values.shape[0], values.shape[1], w_values.shape[1] // 2,
                                       w_values.shape[0])
     return (*primitives._gemm1_abstract(values, scales, offsets, counts, w_values, w_scales,
                                         options=options),
             *(primitives._aval(shape, dtype) for shape, dtype in work))
-  if "gemm1" not in _WORKSPACE_PRIMS:
-    _WORKSPACE_PRIMS["gemm1"] = primitives._make(
-        "gemm1", abstract, lambda p: {"gemm1": p["options"].ffi_attr()})
-  prim = _WORKSPACE_PRIMS["gemm1"]
+  return primitives._make("gemm1", abstract, lambda p: {"gemm1": p["options"].ffi_attr()})
+
+
+def _gemm1_with_workspace(landed, w1q, options):
+  """gemm1 on landed rows (one rank's Landed) and its workspace (_gemm1_workspace_primitive)."""
+  prim = _gemm1_workspace_primitive()
   return jax.jit(lambda *a: primitives._bind(prim, *a, options=options))(
       landed.values, landed.scales, landed.expert_offsets, landed.expert_counts, w1q.values,
       w1q.scales)
 
 
-_WORKSPACE_PRIMS = {}
 _STAGE1 = {}
 
 
@@ -244,9 +245,9 @@ class CudaGemm1Test(parameterized.TestCase):
         jsm.Stage1Config().row_align, cap))
     opts = primitives.Gemm1Options(s.swiglu_limit, out_dtype, jsm.layout.GEMM_TILE_TOKENS[0])
     region = cap // min(jsm.layout.GEMM_TILE_TOKENS) + E
+    qs = [jsm.QuantizedW1(w1q.values, on(GPU, jnp.asarray(scales))) for scales in (small, raised)]
     hs, fallbacks = [], []
-    for scales in (small, raised):
-      q = jsm.QuantizedW1(w1q.values, on(GPU, jnp.asarray(scales)))
+    for q in qs:
       *h, _, words = _gemm1_with_workspace(landed, q, opts)
       hs.append(h)
       fallbacks.append(np.asarray(words)[jsm.layout.GEMM_FLAG_REGIONS * region:][:E + 1])
@@ -259,13 +260,12 @@ class CudaGemm1Test(parameterized.TestCase):
       width = 32 if a.shape[1] == s.intermediate else 1  # values or bf16 columns; MX scales
       keep = np.r_[0:blk * width, (blk + 1) * width:a.shape[1]]
       np.testing.assert_array_equal(a[:, keep], b[:, keep])
-    for scales, h in zip((small, raised), hs):
+    for q, h in zip(qs, hs):
       out = types.SimpleNamespace(h=h[0] if out_dtype == "bf16" else jsm.MXFP8(*h),
                                   expert_offsets=landed.expert_offsets,
                                   expert_counts=landed.expert_counts)
-      self.check_experts(out, jax.tree.map(lambda a: a[None], landed),
-                         jsm.QuantizedW1(w1q.values, on(GPU, jnp.asarray(scales))),
-                         s.swiglu_limit, out_dtype, r, also=(kept,))
+      self.check_experts(out, jax.tree.map(lambda a: a[None], landed), q, s.swiglu_limit,
+                         out_dtype, r, also=(kept,))
 
   def check_experts(self, out, landed, w1q, limit, out_dtype, r, also=()):
     offs, cnts = np.asarray(out.expert_offsets), np.asarray(out.expert_counts)
