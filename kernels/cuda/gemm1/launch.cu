@@ -19,10 +19,13 @@ std::string last_error(const char* what) {
   return std::string("jax_sdma_moe ") + what + ": " + cudaGetErrorString(err);
 }
 
+bool aligned(const void* p, uintptr_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
 // A stage's KB scale bytes of a row can be one cp.async when rows of scales keep them aligned.
 bool scales_aligned(const Gemm1Args& g, int kb) {
-  return (g.H / kBlock) % kb == 0 && reinterpret_cast<uintptr_t>(g.a_scales) % kb == 0 &&
-         reinterpret_cast<uintptr_t>(g.w_scales) % kb == 0;
+  return (g.H / kBlock) % kb == 0 && aligned(g.a_scales, kb) && aligned(g.w_scales, kb);
 }
 
 using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
@@ -52,9 +55,11 @@ std::string tensor_map(CUtensorMap* map, const void* base, int64_t cols, int64_t
   return "";
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-// The f16 pass reads a row's scale bytes 4 at a time (mx_bf16.cuh top_scale).
-bool aligned4(const void* p) { return reinterpret_cast<uintptr_t>(p) % 4 == 0; }
+// The 16-bit kernel's operands: TMA needs 16-byte aligned bases; the f16 pass reads a row's scale
+// bytes 4 at a time (mx_bf16.cuh top_scale).
+bool bf16_operands_aligned(const void* w_scales, const void* rows, const void* scales) {
+  return aligned(w_scales, 16) && aligned(rows, 16) && aligned(scales, 4);
+}
 
 // The 16-bit kernel (both GEMMs; swiglu: GEMM1) with its TMA maps over the workspace's rows
 // and the weights [weight_rows, H]: the f16 pass, then the bf16 one for the experts where it met a
@@ -129,8 +134,9 @@ std::string launch_gemm1(Gemm1Args g, int grid, cudaStream_t stream, const Gemm1
   const uint8_t* scales0 = g.epoch_counter ? g.slot_scales[0] : g.a_scales;
   const uint8_t* scales1 = g.epoch_counter ? g.slot_scales[1] : g.a_scales;
   // TMA: 16-byte aligned bases and row strides (H / 32 a multiple of 16)
-  if (g.H % 512 == 0 && g.I % 64 == 0 && g.xb != nullptr && aligned16(g.w_scales) &&
-      aligned16(rows0) && aligned16(rows1) && aligned4(scales0) && aligned4(scales1)) {
+  if (g.H % 512 == 0 && g.I % 64 == 0 && g.xb != nullptr &&
+      bf16_operands_aligned(g.w_scales, rows0, scales0) &&
+      bf16_operands_aligned(g.w_scales, rows1, scales1)) {
     err = launch_bf16_route(g, int64_t(g.EL) * 2 * g.I, grid, stream, /*swiglu=*/true,
                             opt.tile_tokens);
     if (!err.empty()) return err;
@@ -166,8 +172,8 @@ std::string launch_gemm2(Gemm1Args g, int grid, cudaStream_t stream, int64_t til
                                 reinterpret_cast<uint8_t*>(g.h_bf16), nullptr, 0, stream);
   std::string err = last_error("gemm2 padding");
   if (!err.empty() || g.m_cap == 0) return err;
-  if (g.H % 512 == 0 && g.I % 256 == 0 && g.xb != nullptr && aligned16(g.w_scales) &&
-      aligned16(g.a) && aligned4(g.a_scales)) {
+  if (g.H % 512 == 0 && g.I % 256 == 0 && g.xb != nullptr &&
+      bf16_operands_aligned(g.w_scales, g.a, g.a_scales)) {
     err = launch_bf16_route(g, int64_t(g.EL) * g.I, grid, stream, /*swiglu=*/false, tile_tokens);
     if (!err.empty()) return err;
   } else {  // the correctness path (kernels/common/gpu_stage2.h), shared with ROCm

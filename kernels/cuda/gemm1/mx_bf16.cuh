@@ -111,6 +111,10 @@ __device__ __forceinline__ uint32_t max_byte(uint32_t m) {
   m = max(m & 0xFFFFu, m >> 16);
   return max(m & 0xFFu, m >> 8);
 }
+// The largest scale byte other than NaN's among 16 (a 16-byte load).
+__device__ __forceinline__ uint32_t top_scale16(uint4 v) {
+  return max_byte(finite_max4(finite_max4(finite_max4(finite_max4(0u, v.x), v.y), v.z), v.w));
+}
 // The largest scale byte other than NaN's among n (a multiple of 4) 4-byte-aligned bytes.
 __device__ __forceinline__ uint32_t top_scale(const uint8_t* s, int n) {
   const uint32_t* w = reinterpret_cast<const uint32_t*>(s);

@@ -365,9 +365,7 @@ __device__ __forceinline__ uint32_t weight_biases(const ScaleStage& sc, int cw, 
     for (int h = 0; h < 2; ++h) {
       const uint4 v =
           *reinterpret_cast<const uint4*>(sc.w[stage_row<kSwiglu>(cw, part, row_g + 8 * h)]);
-      const uint32_t m = finite_max4(finite_max4(finite_max4(finite_max4(0u, v.x), v.y), v.z),
-                                     v.w);
-      const int b = window_bias(max_byte(m), kF16TopScale - kWeightHeadroom);
+      const int b = window_bias(top_scale16(v), kF16TopScale - kWeightHeadroom);
       packed |= uint32_t(b + kMaxBias) << (8 * (2 * part + h));
     }
   return packed;
