@@ -142,9 +142,10 @@ __device__ __forceinline__ float pow2(int k) { return __int_as_float((k + 127) <
 // written are then not the values. An all-zero block (a zero token row's: scale byte 85) is zeros
 // at any scale, so it is exact in f16 (its factor taken as 1, never inf); the NaN scale is never
 // exact.
-template <bool kF16>
+// store(c, lo, hi): the 16-byte chunks c and c + 1 of the 256 (a 32-byte sector), c = 0, 2, .. 14.
+template <bool kF16, class Store>
 __device__ __forceinline__ bool upcast_stage(const uint4 (&in)[4][2], const uint32_t (&e)[4],
-                                             int bias, uint8_t* dst) {
+                                             int bias, Store&& store) {
   bool slow[4], exact = true;
   uint32_t f[4];
 #pragma unroll
@@ -175,9 +176,8 @@ __device__ __forceinline__ bool upcast_stage(const uint4 (&in)[4][2], const uint
         if (kF16) upcast4_f16(w, f[b], lo[b], hi[b]);
         else upcast4(w, f[b], slow[b], lo[b], hi[b]);
       }
-      reinterpret_cast<uint4*>(dst)[4 * lb + 2 * step] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
-      reinterpret_cast<uint4*>(dst)[4 * lb + 2 * step + 1] =
-          make_uint4(hi[0], hi[1], hi[2], hi[3]);
+      store(4 * lb + 2 * step, make_uint4(lo[0], lo[1], lo[2], lo[3]),
+            make_uint4(hi[0], hi[1], hi[2], hi[3]));
     }
   return exact;
 }

@@ -67,6 +67,7 @@ template <int kTok>
 using Registers = std::conditional_t<kTok == kBf16WideTileTokens, WsRegisterSplit<72, 216>,
                                      WsRegisterSplit<88, 208>>;
 constexpr int kTransformThreads = 96;  // warps 1-3 of the producer warpgroup
+static_assert(kTransformThreads % 2 == 0, "transform_row_tiles pairs lanes t, t ^ 1");
 // The transform's work items: quarters (kChunks) of a row tile's H (transform_row_tiles).
 constexpr int kChunks = 4;
 static_assert(COLS == 128, "two consumer warpgroups");
@@ -259,22 +260,46 @@ __device__ __forceinline__ void transform_row_tiles(const Gemm1Args& g, const Sc
       transform_barrier();
     }
     const int n = tile.rows * width;  // (row, stage) pairs i = r * width + stage - s0
-    for (int i = t; i < n; i += kTransformThreads) {
+    // Lanes t and t ^ 1 (items i and i ^ 1: i0 is even) write each other's halves of a 32-byte
+    // sector in one instruction: a lane's own 16-byte stores each filled half a sector, twice the
+    // L2 write requests (Nsight), 2-3% of the call (docs/PERF.md §3). So every lane runs every
+    // round (the shuffles), and loads only if active.
+    const bool odd = t & 1;
+    for (int i0 = 0; i0 < n; i0 += kTransformThreads) {
+      const int i = i0 + t;
+      const bool active = i < n, partner_active = (i ^ 1) < n;
       const int64_t row = tile.row0 + i / width;
       const int64_t k0 = int64_t(s0 + i % width) * KS;  // the stage's first element
-      const int64_t at = row * g.H + k0;
-      const int64_t from = source(row) * g.H + k0;
-      const uint4* src = reinterpret_cast<const uint4*>(g.a + from);
-      uint4 in[4][2];
-      uint32_t e[4];
+      uint4 in[4][2] = {};
+      uint32_t e[4] = {127u, 127u, 127u, 127u};
+      if (active) {
+        const int64_t from = source(row) * g.H + k0;
+        const uint4* src = reinterpret_cast<const uint4*>(g.a + from);
 #pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        in[b][0] = src[2 * b];
-        in[b][1] = src[2 * b + 1];
-        e[b] = g.a_scales[from / kBlock + b];
+        for (int b = 0; b < 4; ++b) {
+          in[b][0] = src[2 * b];
+          in[b][1] = src[2 * b + 1];
+          e[b] = g.a_scales[from / kBlock + b];
+        }
       }
-      if (!upcast_stage<kF16>(in, e, kF16 ? bias[i / width] : 0, g.xb + at * 2))
-        mark_fallback(g, tile.e);
+      uint4* own = reinterpret_cast<uint4*>(g.xb + (row * g.H + k0) * 2);
+      const int ip = i ^ 1;
+      uint4* partner = reinterpret_cast<uint4*>(
+          g.xb + ((tile.row0 + ip / width) * g.H + int64_t(s0 + ip % width) * KS) * 2);
+      auto store = [&](int c, const uint4& lo, const uint4& hi) {
+        // the even lane sends its hi, the odd one its lo
+        const uint4 sent = odd ? lo : hi;
+        uint4 got;
+        got.x = __shfl_xor_sync(0xFFFFFFFFu, sent.x, 1);
+        got.y = __shfl_xor_sync(0xFFFFFFFFu, sent.y, 1);
+        got.z = __shfl_xor_sync(0xFFFFFFFFu, sent.z, 1);
+        got.w = __shfl_xor_sync(0xFFFFFFFFu, sent.w, 1);
+        // the even lane's sector, then the odd lane's
+        if (odd ? partner_active : active) (odd ? partner : own)[c + odd] = odd ? got : lo;
+        if (odd ? active : partner_active) (odd ? own : partner)[c + odd] = odd ? hi : got;
+      };
+      const bool exact = upcast_stage<kF16>(in, e, kF16 && active ? bias[i / width] : 0, store);
+      if (active && !exact) mark_fallback(g, tile.e);
     }
     asm volatile("fence.proxy.async.global;" ::: "memory");  // other CTAs' TMA reads them next
     transform_barrier();
