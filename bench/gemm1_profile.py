@@ -8,6 +8,10 @@ CUDA kernels launched are the quantisation's and this gemm1. With --rows: the ro
 bench/run.py --gemm1-rows (bench/inputs.gemm1_inputs: spread evenly over --experts local experts,
 T x R entries as there).
 
+With --peer NAME (torch-bf16, torch-fp8; with --rows): that peer of bench/gemm_peers.py on the
+same rows per expert instead of ours (checked, then one timed call): the target of
+profile_gemm1.sh --peer, to set ours against it in cycles, the clock aside.
+
 With --time N: bench/timing.time_calls over N calls (after 2 warm-ups), its pipelined ms per call
 printed (`TIMING ...`): the timing of whatever kernel the build holds, its output NOT checked. It
 times diagnostic variants that compute wrong results on purpose (bench/device/ab_gemm1.sh
@@ -23,6 +27,9 @@ import numpy as np
 import jax_sdma_moe as jsm
 from jax_sdma_moe import layout, primitives, reference
 
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # bench/ as a package, after jsm
+from bench import gemm_peers, inputs, timing  # noqa: E402
+
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 p.add_argument("shape", nargs="?", default="dsv3", help="a jax_sdma_moe.SHAPES name")
 p.add_argument("tokens", nargs="?", type=int, default=4096)
@@ -31,19 +38,24 @@ p.add_argument("--rows", help="rows (or TxR) as bench/run.py --gemm1-rows, inste
 p.add_argument("--experts", type=int, help="with --rows: local experts (default E/2)")
 p.add_argument("--tile-tokens", type=int, choices=layout.GEMM_TILE_TOKENS,
                help="the bf16 kernel's tile (default: the library's choice by rows per expert)")
+p.add_argument("--peer", choices=gemm_peers.GROUPED,
+               help="with --rows: run this peer of bench/gemm_peers.py instead of ours")
 p.add_argument("--time", type=int, metavar="N",
                help="time N back-to-back calls (unchecked output) instead of one launch")
 a = p.parse_args()
 
 s = jsm.SHAPES[a.shape]
-sys.path.append(str(Path(__file__).resolve().parent.parent))  # bench/ as a package, after jsm
+
+
+def study_counts():
+  """Rows per expert of bench/run.py --gemm1-rows."""
+  return inputs.balanced_counts(inputs.study_rows(a.rows, s),
+                                a.experts or s.num_experts // inputs.STUDY_RANKS)
 
 
 def study_rows():
   """The landed rows and w1q of bench/run.py --gemm1-rows."""
-  from bench import inputs
-  counts = inputs.balanced_counts(inputs.study_rows(a.rows, s),
-                                  a.experts or s.num_experts // inputs.STUDY_RANKS)
+  counts = study_counts()
   landed, w1q = inputs.gemm1_inputs(s, counts, a.row_align, jax.random.key(0))
   return landed, w1q, f"{int(counts.sum())} rows over {len(counts)} experts"
 
@@ -64,6 +76,18 @@ def dispatched_rows():
   return rows, w1q, f"T={T}"
 
 
+if a.peer:
+  if not a.rows:
+    p.error("--peer needs --rows")
+  counts = study_counts()
+  problem = gemm_peers.Problem(s.hidden, 2 * s.intermediate, tuple(int(c) for c in counts))
+  skip = [n for n in gemm_peers.PEERS if n != a.peer]
+  # copy_gbps only sizes the floor, which is not printed here
+  r = gemm_peers.measure(problem, jax.devices()[0], 1.0, gemm_peers.Timing(1, 0), skip)
+  print(f"peer {a.peer}: {a.shape} {problem.rows} rows over {len(counts)} experts:",
+        r["results"][a.peer])
+  sys.exit(0)
+
 landed, w1q, what = study_rows() if a.rows else dispatched_rows()
 rows_per_expert = float(np.asarray(landed[3]).sum()) / landed[3].shape[0]
 options = primitives.Gemm1Options(
@@ -74,6 +98,5 @@ what += f", tile {options.tile_tokens}"
 h = jax.block_until_ready(gemm1(*landed, w1q))
 print(f"gemm1 done: {a.shape} {what}, h {h.shape} {h.dtype}")
 if a.time:
-  from bench.timing import time_calls
-  ms = time_calls(gemm1, (*landed, w1q), a.time, warmup=2)["pipelined_ms"]
+  ms = timing.time_calls(gemm1, (*landed, w1q), a.time, warmup=2)["pipelined_ms"]
   print(f"TIMING {a.shape} {what}: {ms:.3f} ms per call, pipelined (unchecked)")
