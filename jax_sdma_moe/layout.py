@@ -58,9 +58,15 @@ def bf16_gemm_workspace(cap: int, depth: int, experts_per_rank: int, applies: bo
   bf16_workspace_words). Empty where the kernel does not apply."""
   if not applies:
     return ((0,), jnp.uint8), ((0,), jnp.uint32)
-  row_tiles = cap // min(GEMM_TILE_TOKENS) + experts_per_rank
-  flags = GEMM_FLAG_REGIONS * row_tiles + experts_per_rank + 1 + cap
-  return ((cap, 2 * depth), jnp.uint8), ((flags,), jnp.uint32)
+  words = bf16_gemm_fallback_at(cap, experts_per_rank) + experts_per_rank + 1 + cap
+  return ((cap, 2 * depth), jnp.uint8), ((words,), jnp.uint32)
+
+
+def bf16_gemm_fallback_at(cap: int, experts_per_rank: int) -> int:
+  """Where the f16 pass's fallback words (one per expert, then one for any) start among the
+  16-bit GEMM's workspace words: after GEMM_FLAG_REGIONS regions of one flag per row tile of the
+  smaller tile (kernels/cuda/gemm1/args.h bf16_row_tiles_bound)."""
+  return GEMM_FLAG_REGIONS * (cap // min(GEMM_TILE_TOKENS) + experts_per_rank)
 
 
 def gemm1_bf16_applies(hidden: int, intermediate: int) -> bool:

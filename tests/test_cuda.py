@@ -244,13 +244,13 @@ class CudaGemm1Test(parameterized.TestCase):
         jax.tree.map(lambda a: a[None], jsm.quantize(x)), ids[None], w[None], E,
         jsm.Stage1Config().row_align, cap))
     opts = primitives.Gemm1Options(s.swiglu_limit, out_dtype, jsm.layout.GEMM_TILE_TOKENS[0])
-    region = cap // min(jsm.layout.GEMM_TILE_TOKENS) + E
+    fallback_at = jsm.layout.bf16_gemm_fallback_at(cap, E)
     qs = [jsm.QuantizedW1(w1q.values, on(GPU, jnp.asarray(scales))) for scales in (small, raised)]
     hs, fallbacks = [], []
     for q in qs:
       *h, _, words = _gemm1_with_workspace(landed, q, opts)
       hs.append(h)
-      fallbacks.append(np.asarray(words)[jsm.layout.GEMM_FLAG_REGIONS * region:][:E + 1])
+      fallbacks.append(np.asarray(words)[fallback_at:][:E + 1])
     np.testing.assert_array_equal(fallbacks[0], 0, "an expert fell back with every scale in its "
                                   "row's window")
     np.testing.assert_array_equal(fallbacks[1], np.r_[lowered, True].astype(np.uint32))
