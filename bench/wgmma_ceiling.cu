@@ -22,8 +22,13 @@ using sm90_bf16::upcast4;
 
 constexpr int kThreads = 256, KS = 128;  // two consumer warpgroups; K per stage (fp8 bytes)
 
-// The other forms' wrappers (sm90.cuh has the GEMM's, from registers, up to m64n152k16), on
+// The other forms' wrappers (sm90.cuh has the GEMM's: f16 from registers, up to m64n152k16), on
 // sm90.cuh's operand lists.
+__device__ __forceinline__ void rs_m64n128k16(float* d, const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(JSM_WGMMA_BF16(128, JSM_WGMMA_D64, JSM_WGMMA_IN64, ", 0")
+               : JSM_WGMMA_ACC64
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
 __device__ __forceinline__ void ss_m64n128k16(float* d, uint64_t desc_a, uint64_t desc_b) {
   asm volatile(JSM_WGMMA_BF16(128, JSM_WGMMA_D64, "%64, %65", ", 0, 0")
                : JSM_WGMMA_ACC64 : "l"(desc_a), "l"(desc_b));
@@ -42,7 +47,7 @@ template <int N, bool kRS>
 __device__ __forceinline__ void mma(float* d, const uint32_t (&a)[4], uint64_t desc_a,
                                     uint64_t desc_b) {
   if constexpr (kRS) {
-    if constexpr (N == 128) wgmma_m64nk16_rs<128>(d, a, desc_b);
+    if constexpr (N == 128) rs_m64n128k16(d, a, desc_b);
     else rs_m64n256k16(d, a, desc_b);
   } else {
     if constexpr (N == 128) ss_m64n128k16(d, desc_a, desc_b);
