@@ -156,6 +156,11 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* b, uint32_t byte
                "r"(bytes)
                : "memory");
 }
+// The phase of b also waits for the completion of this thread's cp.async copies issued before
+// (the pending count is raised now and lowered when they land: no change to b's arrival count).
+__device__ __forceinline__ void mbar_arrive_cp_async(uint64_t* b) {
+  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(smem_addr(b)) : "memory");
+}
 // Waits for the completion of the phase with the given parity (a fresh barrier counts its phase
 // "-1", parity 1, as complete). Pipeline-internal: it ends when the other role makes progress.
 __device__ __forceinline__ void mbar_wait(uint64_t* b, uint32_t parity) {

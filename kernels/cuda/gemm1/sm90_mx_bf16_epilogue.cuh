@@ -58,13 +58,13 @@ __device__ __forceinline__ void store_h_half(const Gemm1Args& g, int64_t row, in
 
 // 64 columns of the output, col0 .., x the tile's tokens from the warpgroup's fragments
 // (value(i, h, tf): fragment index i's float, of row half h, with the token row's factor tf: its
-// window's in the f16 pass, else 1), staged through shared memory 32 tokens at a time, so that
-// each thread stores 16 consecutive columns of one token (half an MX block; its partner lane the
-// other half): all 128 threads store.
+// window's in the f16 pass, row_factor[the token's row in the tile], else 1), staged through
+// shared memory 32 tokens at a time, so that each thread stores 16 consecutive columns of one
+// token (half an MX block; its partner lane the other half): all 128 threads store.
 template <int kTok, bool kF16, class Value>
 __device__ __forceinline__ void store_columns(const Gemm1Args& g, const Tile& t, float* epi,
-                                              Value value, int64_t col0, int cw, int tid,
-                                              int row_g, int tig) {
+                                              const float* row_factor, Value value,
+                                              int64_t col0, int cw, int tid, int row_g, int tig) {
   constexpr int kPass = kTok < kEpiTokens ? kTok : kEpiTokens;  // tokens per pass
   static_assert(kPass == 32 && kTok % 8 == 0, "128 threads: 32 tokens x 2 MX blocks x 2 halves");
   // thread (blk, tok, half): 8 consecutive threads read 8 distinct 16-byte bank groups
@@ -78,8 +78,8 @@ __device__ __forceinline__ void store_columns(const Gemm1Args& g, const Tile& t,
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         const int tok = pass * kPass + j * 8 + 2 * tig + c;
-        // 0 past the tile's rows (never stored; the factors there are another tile's)
-        const float tf = !kF16 ? 1.0f : tok < t.rows ? g.row_factor[t.row0 + tok] : 0.0f;
+        // 0 past the tile's rows (never stored; row_factor holds no factor there)
+        const float tf = !kF16 ? 1.0f : tok < t.rows ? row_factor[tok] : 0.0f;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int i = pass * (kPass / 2) + j * 4 + 2 * h + c;

@@ -61,6 +61,8 @@ constexpr int kStages = kTok == kBf16SmallTileTokens ? 4 : 3;
 // Weight scales come by TMA in super-stages of kScaleStages stages (16 scale bytes per row, the
 // smallest TMA box), two super-stages deep.
 constexpr int kScaleStages = 4, kScaleBytes = kScaleStages * KS / kBlock;
+constexpr int kScaleLead = 2;  // load_stages
+static_assert(kScaleLead > 0 && kScaleLead <= kScaleStages, "load_stages: a tile's or the next's");
 // Registers per thread of the producer and the consumer warpgroups (the wide tile's consumers hold
 // 24 accumulators more).
 template <int kTok>
@@ -106,6 +108,10 @@ struct Shared {
   ScaleStage scales[2];
   EpiStaging<kTok> epi;
   int row_bias[kTok];  // the transform's: its row tile's windows (f16 pass)
+  // f16 pass: the token rows' window factors (Gemm1Args::row_factor) of the CTA's tiles of even
+  // and odd number, copied by the loader with a tile's first stage (load_stages): the epilogue
+  // reads them here, with no global load on its path
+  float row_factor[2][kTok];
   uint64_t loaded[kStages<kTok>], empty[kStages<kTok>], scales_loaded[2], scales_empty[2];
 };
 static_assert(sizeof(Stage<kBf16WideTileTokens>::x) >= 2 * kEpiFloats * sizeof(float),
@@ -164,16 +170,33 @@ __device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* p) {
 
 // The loader warp: stage after stage, once its slot is free, the TMA loads of weights and bf16
 // token rows; every kScaleStages stages, once a scale slot is free, the weights' scales of the
-// next ones. Lane 0 issues, after a tile's row tile is flagged upcast (bounded wait).
-template <bool kSwiglu, int kTok>
+// next ones, kScaleLead stages before the first of them (the next tile's first ones from the
+// tile before: a tile's scales come from DRAM, and their 16-byte boxes are slow). Lane 0
+// issues, after a tile's row tile is flagged upcast (bounded wait); kF16: with a tile's first
+// stage, the whole warp copies the tile's row factors (Shared::row_factor).
+template <bool kSwiglu, int kTok, bool kF16>
 __device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared<kTok>& sh,
                                             const SchedulerFor<kSwiglu, kTok>& sched,
                                             const CUtensorMap* map_xb, const CUtensorMap* map_w,
                                             const CUtensorMap* map_ws, int lane) {
   const int total = sched.total(g), num_k = int(g.H / KS);
   constexpr int STAGES = kStages<kTok>;
+  constexpr int w_boxes = WROWS / WBOX;
+  // scale super-stage u (of the CTA's, counted as `issued` counts stages): tile t's k super-stage s
+  auto load_scales = [&](uint32_t u, const Tile& t, int s) {
+    ScaleStage& SS = sh.scales[u % 2];
+    uint64_t* sbar = &sh.scales_loaded[u % 2];
+    mbar_wait(&sh.scales_empty[u % 2], ((u / 2) & 1) ^ 1);
+    if (lane == 0) {
+      mbar_arrive_expect_tx(sbar, uint32_t(sizeof(SS.w)));
+      for (int i = 0; i < w_boxes; ++i)
+        tma_load_2d(SS.w[i * WBOX], map_ws, sbar, s * kScaleBytes,
+                    weight_box_row<kSwiglu>(g, t, i));
+    }
+  };
   uint32_t issued = 0;
-  for (int w = blockIdx.x; w < total; w += gridDim.x) {
+  if (int(blockIdx.x) < total) load_scales(0, sched.tile(g, blockIdx.x), 0);
+  for (int w = blockIdx.x, n = 0; w < total; w += gridDim.x, ++n) {
     const Tile t = sched.tile(g, w);
     if (lane == 0) {
       // the row tile's bf16 rows: transitively bounded (the transform's own waits are: fused,
@@ -192,23 +215,24 @@ __device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared<kTok>& sh
     // one box of the tile's kTok token rows per 64-element K half, two of WBOX weight rows: rows
     // past the tile's (the next tile's or expert's, or zeros past the tensor) are loaded and not
     // used, which costs less than more, smaller boxes
-    constexpr int w_boxes = WROWS / WBOX;
     for (int ks = 0; ks < num_k; ++ks, ++issued) {
       Stage<kTok>& S = sh.s[issued % STAGES];
       uint64_t* bar = &sh.loaded[issued % STAGES];
-      if (ks % kScaleStages == 0) {  // num_k is a multiple of kScaleStages (launch: H % 512 == 0)
-        const uint32_t u = issued / kScaleStages;
-        ScaleStage& SS = sh.scales[u % 2];
-        uint64_t* sbar = &sh.scales_loaded[u % 2];
-        mbar_wait(&sh.scales_empty[u % 2], ((u / 2) & 1) ^ 1);
-        if (lane == 0) {
-          mbar_arrive_expect_tx(sbar, uint32_t(sizeof(SS.w)));
-          const int x0 = ks / kScaleStages * kScaleBytes;
-          for (int i = 0; i < w_boxes; ++i)
-            tma_load_2d(SS.w[i * WBOX], map_ws, sbar, x0, weight_box_row<kSwiglu>(g, t, i));
-        }
-      }
       mbar_wait(&sh.empty[issued % STAGES], ((issued / STAGES) & 1) ^ 1);
+      // the scales of the super-stage kScaleLead stages on (num_k is a multiple of kScaleStages,
+      // launch: H % 512 == 0; its slot was freed with stage issued + kScaleLead - 2 kScaleStages,
+      // which the ring's slot just freed is after)
+      if ((ks + kScaleLead) % kScaleStages == 0) {
+        const uint32_t u = (issued + kScaleLead) / kScaleStages;
+        if (ks + kScaleLead < num_k) load_scales(u, t, (ks + kScaleLead) / kScaleStages);
+        else if (w + int(gridDim.x) < total) load_scales(u, sched.tile(g, w + gridDim.x), 0);
+      }
+      if (kF16 && ks == 0) {  // the row factors, on this stage's barrier (before its arrival)
+        for (int r = lane; r < t.rows; r += kWarp)
+          cp_async_small<4>(&sh.row_factor[n % 2][r], g.row_factor + t.row0 + r, true);
+        mbar_arrive_cp_async(bar);
+        __syncwarp();
+      }
       if (lane == 0) {
         mbar_arrive_expect_tx(bar, uint32_t(sizeof(S.x) + sizeof(S.w)));
         for (int half = 0; half < 2; ++half)
@@ -474,9 +498,10 @@ __device__ __forceinline__ void issue_block(float (&gate)[kTok / 2], float (&up)
 
 // The warpgroup's output: GEMM1, SwiGLU of its 64 gate/up column pairs; GEMM2, its 128 columns.
 // kF16: the sums times the factors of their weight rows' windows (wbias) and tokens' (the
-// transform's g.row_factor, acquired with the row tile's flag), before SwiGLU.
+// transform's g.row_factor, copied by the loader: row_factor), before SwiGLU.
 template <bool kSwiglu, int kTok, bool kF16>
 __device__ __forceinline__ void epilogue(const Gemm1Args& g, const Tile& t, float* epi,
+                                         const float* row_factor,
                                          const float (&acc0)[kTok / 2],
                                          const float (&acc1)[kTok / 2], int cw, int tid,
                                          int row_g, int tig, uint32_t wbias) {
@@ -486,20 +511,21 @@ __device__ __forceinline__ void epilogue(const Gemm1Args& g, const Tile& t, floa
   for (int part = 0; part < 2; ++part)
 #pragma unroll
     for (int h = 0; h < 2; ++h) wf[part][h] = kF16 ? pow2(packed_bias(wbias, part, h)) : 1.0f;
-  if (kF16) ld_acquire_gpu(g.xb_ready + t.rt);
   if (kSwiglu) {
     store_columns<kTok, kF16>(
-        g, t, epi,
+        g, t, epi, row_factor,
         [&](int i, int h, float tf) {
           return swiglu(acc0[i] * wf[0][h] * tf, acc1[i] * wf[1][h] * tf, g.has_limit, g.limit);
         },
         col0, cw, tid, row_g, tig);
   } else {
     store_columns<kTok, kF16>(
-        g, t, epi, [&](int i, int h, float tf) { return acc0[i] * wf[0][h] * tf; }, col0, cw,
+        g, t, epi, row_factor, [&](int i, int h, float tf) { return acc0[i] * wf[0][h] * tf; },
+        col0, cw,
         tid, row_g, tig);
     store_columns<kTok, kF16>(
-        g, t, epi, [&](int i, int h, float tf) { return acc1[i] * wf[1][h] * tf; }, col0 + 64,
+        g, t, epi, row_factor, [&](int i, int h, float tf) { return acc1[i] * wf[1][h] * tf; },
+        col0 + 64,
         cw, tid, row_g, tig);
   }
 }
@@ -514,7 +540,7 @@ __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared<kTok>& s
                                              int num_k, uint32_t& consumed, int cw, int tid,
                                              float (&gate)[kTok / 2], float (&up)[kTok / 2],
                                              Frags& f0, Frags& f1,
-                                             RingPosition<kStages<kTok>>& ring) {
+                                             RingPosition<kStages<kTok>>& ring, int n) {
   const int warp = tid / 32, lane = tid % 32;
   const int row_g = warp * 16 + lane / 4, tig = lane % 4;
   const bool active = t.n0 + cw * kWgCols<kSwiglu> < g.I;
@@ -571,7 +597,8 @@ __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared<kTok>& s
   if constexpr (kEpiInSlot<kTok>) consumers_barrier();  // no wgmma reads the slot's rows now
   else release(&sh.empty[last]);
   if (active)
-    epilogue<kSwiglu, kTok, kF16>(g, t, epi_staging(sh, last, cw), gate, up, cw, tid, row_g, tig,
+    epilogue<kSwiglu, kTok, kF16>(g, t, epi_staging(sh, last, cw), sh.row_factor[n % 2], gate, up,
+                                  cw, tid, row_g, tig,
                                   wbias);
   if constexpr (kEpiInSlot<kTok>) release(&sh.empty[last]);  // the staging is free (its barrier)
 }
@@ -608,7 +635,7 @@ __device__ __forceinline__ void gemm_body(const Gemm1Args& g_in, const Bf16RsMap
   if (wg == 0) {
     Registers<kTok>::producer();
     if (tid < kWarp)
-      load_stages<kSwiglu, kTok>(g, sh, sched, &maps.xb, &maps.w, &maps.w_scales, tid);
+      load_stages<kSwiglu, kTok, kF16>(g, sh, sched, &maps.xb, &maps.w, &maps.w_scales, tid);
     else transform_row_tiles<kF16>(g, sched, sh.row_bias, tid - kWarp);
     return;
   }
@@ -619,10 +646,10 @@ __device__ __forceinline__ void gemm_body(const Gemm1Args& g_in, const Bf16RsMap
   RingPosition<STAGES> ring;
   float gate[kTok / 2], up[kTok / 2];  // GEMM2: the warpgroup's first and second 64 columns
   Frags f0 = {}, f1 = {};
-  for (int w = blockIdx.x; w < total; w += gridDim.x) {
+  for (int w = blockIdx.x, n = 0; w < total; w += gridDim.x, ++n) {
     const Tile t = sched.tile(g, w);
     consume_tile<kSwiglu, kTok, kF16>(g, sh, t, num_k, consumed, cw, tid, gate, up, f0, f1,
-                                      ring);
+                                      ring, n);
   }
 }
 
