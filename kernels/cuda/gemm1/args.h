@@ -77,7 +77,8 @@ struct Gemm1Args {
   // fallback[EL] (words after the row-tile flags, zeroed per call) where a block of expert e's
   // weights or rows is not; the bf16 launch after it (redo) then redoes those experts' tiles,
   // and returns at once where fallback[EL] is 0. row_factor[r]: 2^(landed row r's window bias),
-  // written by the f16 pass's transform, read by its epilogue.
+  // written by the f16 pass's transform, copied to shared memory by its loader for the epilogue
+  // (with the tile's first stage, after the row tile's flag).
   uint32_t* fallback;
   float* row_factor;
   bool redo = false;
