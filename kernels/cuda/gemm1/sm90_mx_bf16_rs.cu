@@ -220,8 +220,10 @@ __device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared<kTok>& sh
       uint64_t* bar = &sh.loaded[issued % STAGES];
       mbar_wait(&sh.empty[issued % STAGES], ((issued / STAGES) & 1) ^ 1);
       // the scales of the super-stage kScaleLead stages on (num_k is a multiple of kScaleStages,
-      // launch: H % 512 == 0; its slot was freed with stage issued + kScaleLead - 2 kScaleStages,
-      // which the ring's slot just freed is after)
+      // launch: H % 512 == 0). Its scale slot is free once stage issued + kScaleLead -
+      // kScaleStages - 1 is done (the super-stage two before ends there); the ring's slot just
+      // freed held stage issued - STAGES, done: the same stage for the 3-stage ring, one before
+      // for the 4-stage one, so this wait is short, and no stage it needs is left unissued.
       if ((ks + kScaleLead) % kScaleStages == 0) {
         const uint32_t u = (issued + kScaleLead) / kScaleStages;
         if (ks + kScaleLead < num_k) load_scales(u, t, (ks + kScaleLead) / kScaleStages);
@@ -521,12 +523,10 @@ __device__ __forceinline__ void epilogue(const Gemm1Args& g, const Tile& t, floa
   } else {
     store_columns<kTok, kF16>(
         g, t, epi, row_factor, [&](int i, int h, float tf) { return acc0[i] * wf[0][h] * tf; },
-        col0, cw,
-        tid, row_g, tig);
+        col0, cw, tid, row_g, tig);
     store_columns<kTok, kF16>(
         g, t, epi, row_factor, [&](int i, int h, float tf) { return acc1[i] * wf[1][h] * tf; },
-        col0 + 64,
-        cw, tid, row_g, tig);
+        col0 + 64, cw, tid, row_g, tig);
   }
 }
 
@@ -598,8 +598,7 @@ __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared<kTok>& s
   else release(&sh.empty[last]);
   if (active)
     epilogue<kSwiglu, kTok, kF16>(g, t, epi_staging(sh, last, cw), sh.row_factor[n % 2], gate, up,
-                                  cw, tid, row_g, tig,
-                                  wbias);
+                                  cw, tid, row_g, tig, wbias);
   if constexpr (kEpiInSlot<kTok>) release(&sh.empty[last]);  // the staging is free (its barrier)
 }
 
