@@ -35,6 +35,7 @@
 #include "kernels/cuda/gemm1/scheduler.cuh"
 #include "kernels/cuda/gemm1/sm90.cuh"
 #include "kernels/cuda/gemm1/sm90_mx_bf16_epilogue.cuh"
+#include "kernels/cuda/gemm1/sm90_mx_bf16_transform.cuh"
 
 namespace jsm {
 namespace cuda {
@@ -68,10 +69,6 @@ static_assert(kScaleLead > 0 && kScaleLead <= kScaleStages, "load_stages: a tile
 template <int kTok>
 using Registers = std::conditional_t<kTok == kBf16WideTileTokens, WsRegisterSplit<72, 216>,
                                      WsRegisterSplit<88, 208>>;
-constexpr int kTransformThreads = 96;  // warps 1-3 of the producer warpgroup
-static_assert(kTransformThreads % 2 == 0, "transform_row_tiles pairs lanes t, t ^ 1");
-// The transform's work items: quarters (kChunks) of a row tile's H (transform_row_tiles).
-constexpr int kChunks = 4;
 static_assert(COLS == 128, "two consumer warpgroups");
 static_assert(kBf16TileTokens == 128 && kBf16WideTileTokens == 152 && kBf16SmallTileTokens == 32,
               "the wgmma shapes below");
@@ -156,11 +153,7 @@ __device__ __forceinline__ int stage_row(int cw, int part, int row) {
   return kSwiglu ? part * WBOX + cw * 64 + row : cw * WBOX + part * 64 + row;
 }
 
-// --- producer warpgroup: a loader warp and three transform warps -----------------------------
-
-__device__ __forceinline__ void transform_barrier() {
-  asm volatile("bar.sync 1, 96;" ::: "memory");
-}
+// --- producer warpgroup: a loader warp, and three transform warps (sm90_mx_bf16_transform.cuh) -
 
 __device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* p) {
   uint32_t v;
@@ -242,96 +235,6 @@ __device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared<kTok>& sh
         for (int i = 0; i < w_boxes; ++i)
           tma_load_2d(S.w + i * WBOX * KS, map_w, bar, ks * KS, weight_box_row<kSwiglu>(g, t, i));
       }
-    }
-  }
-}
-
-// The f16 pass met a block of expert e outside its row's window (mx_bf16.cuh window_bias): the
-// bf16 pass redoes expert e's tiles (Gemm1Args::fallback).
-__device__ __forceinline__ void mark_fallback(const Gemm1Args& g, int e) {
-  g.fallback[e] = 1;
-  g.fallback[g.EL] = 1;
-}
-
-// The transform warps. Work items: (row tile, quarter of H) in row tile order, CTA b taking items
-// b, b + gridDim.x, ...: an item is upcast once its expert's rows have landed (fused: warp 1 waits,
-// bounded), then counted on its row tile's flag; kChunks counts release the row tile to every
-// CTA's loader. Quarters let 4 CTAs share the first row tiles, which every CTA waits for at the
-// start; each thread upcasts one stage (four blocks, their loads in flight together: the loop is
-// latency-bound) of a row at a time. The rows come from g.a at their landed row, or in engine
-// local's fused call at their token's row (g.source_rows). kF16: first the windows of the row
-// tile's rows (mx_bf16.cuh), in `bias`; the item of the first quarter keeps their factors for the
-// epilogue (g.row_factor). t: 0..95.
-template <bool kF16, class Scheduler>
-__device__ __forceinline__ void transform_row_tiles(const Gemm1Args& g, const Scheduler& sched,
-                                                    int* bias, int t) {
-  const int items = sched.total(g) / Scheduler::n_tiles(g) * kChunks, nks = int(g.H / KS);
-  int ready = -1;
-  for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const int rt = item / kChunks, chunk = item % kChunks;
-    const Tile tile = sched.row_tile(g, rt);
-    const int s0 = chunk * nks / kChunks, width = (chunk + 1) * nks / kChunks - s0;
-    if (t < kWarp) Scheduler::wait_arrival(g, tile.e, ready, t);
-    transform_barrier();
-    auto source = [&](int64_t row) { return g.source_rows ? g.source_rows[row] : row; };
-    if (kF16) {
-      const int n_scales = int(g.H / kBlock);
-      for (int r = t; r < tile.rows; r += kTransformThreads) {
-        const int64_t row = tile.row0 + r;
-        const int b = window_bias(top_scale(g.a_scales + source(row) * n_scales, n_scales),
-                                  kF16TopScale);
-        bias[r] = b;
-        if (chunk == 0) g.row_factor[row] = pow2(b);
-      }
-      transform_barrier();
-    }
-    const int n = tile.rows * width;  // (row, stage) pairs i = r * width + stage - s0
-    // Lanes t and t ^ 1 (items i and i ^ 1: i0 is even) write each other's halves of a 32-byte
-    // sector in one instruction: a lane's own 16-byte stores each filled half a sector, twice the
-    // L2 write requests (Nsight), 2-3% of the call (docs/PERF.md §3). So every lane runs every
-    // round (the shuffles), and loads only if active.
-    const bool odd = t & 1;
-    for (int i0 = 0; i0 < n; i0 += kTransformThreads) {
-      const int i = i0 + t;
-      const bool active = i < n, partner_active = (i ^ 1) < n;
-      const int64_t row = tile.row0 + i / width;
-      const int64_t k0 = int64_t(s0 + i % width) * KS;  // the stage's first element
-      uint4 in[4][2] = {};
-      uint32_t e[4] = {127u, 127u, 127u, 127u};
-      if (active) {
-        const int64_t from = source(row) * g.H + k0;
-        const uint4* src = reinterpret_cast<const uint4*>(g.a + from);
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          in[b][0] = src[2 * b];
-          in[b][1] = src[2 * b + 1];
-          e[b] = g.a_scales[from / kBlock + b];
-        }
-      }
-      uint4* own = reinterpret_cast<uint4*>(g.xb + (row * g.H + k0) * 2);
-      const int ip = i ^ 1;
-      uint4* partner = reinterpret_cast<uint4*>(
-          g.xb + ((tile.row0 + ip / width) * g.H + int64_t(s0 + ip % width) * KS) * 2);
-      auto store = [&](int c, const uint4& lo, const uint4& hi) {
-        // the even lane sends its hi, the odd one its lo
-        const uint4 sent = odd ? lo : hi;
-        uint4 got;
-        got.x = __shfl_xor_sync(0xFFFFFFFFu, sent.x, 1);
-        got.y = __shfl_xor_sync(0xFFFFFFFFu, sent.y, 1);
-        got.z = __shfl_xor_sync(0xFFFFFFFFu, sent.z, 1);
-        got.w = __shfl_xor_sync(0xFFFFFFFFu, sent.w, 1);
-        // the even lane's sector, then the odd lane's
-        if (odd ? partner_active : active) (odd ? partner : own)[c + odd] = odd ? got : lo;
-        if (odd ? active : partner_active) (odd ? own : partner)[c + odd] = odd ? hi : got;
-      };
-      const bool exact = upcast_stage<kF16>(in, e, kF16 && active ? bias[i / width] : 0, store);
-      if (active && !exact) mark_fallback(g, tile.e);
-    }
-    asm volatile("fence.proxy.async.global;" ::: "memory");  // other CTAs' TMA reads them next
-    transform_barrier();
-    if (t == 0) {
-      __threadfence();
-      asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(g.xb_ready + rt) : "memory");
     }
   }
 }
