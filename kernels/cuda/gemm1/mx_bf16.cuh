@@ -111,16 +111,25 @@ __device__ __forceinline__ uint32_t max_byte(uint32_t m) {
   m = max(m & 0xFFFFu, m >> 16);
   return max(m & 0xFFu, m >> 8);
 }
-// The largest scale byte other than NaN's among 16 (a 16-byte load).
-__device__ __forceinline__ uint32_t top_scale16(uint4 v) {
-  return max_byte(finite_max4(finite_max4(finite_max4(finite_max4(0u, v.x), v.y), v.z), v.w));
+// m's bytes maxed with the 16 of v that are not the NaN scale.
+__device__ __forceinline__ uint32_t finite_max16(uint32_t m, uint4 v) {
+  return finite_max4(finite_max4(finite_max4(finite_max4(m, v.x), v.y), v.z), v.w);
 }
-// The largest scale byte other than NaN's among n (a multiple of 4) 4-byte-aligned bytes.
+// The largest scale byte other than NaN's among 16 (a 16-byte load).
+__device__ __forceinline__ uint32_t top_scale16(uint4 v) { return max_byte(finite_max16(0u, v)); }
+// The largest scale byte other than NaN's among n (a multiple of 16) 16-byte-aligned bytes: 16
+// at a time, in rounds of 8 loads in flight together (zeros past n change no maximum), so a
+// dsv3 row's 224 bytes take two round trips (4-byte loads in a loop took seven).
 __device__ __forceinline__ uint32_t top_scale(const uint8_t* s, int n) {
-  const uint32_t* w = reinterpret_cast<const uint32_t*>(s);
+  const uint4* v = reinterpret_cast<const uint4*>(s);
   uint32_t m = 0;
-#pragma unroll 8
-  for (int i = 0; i < n / 4; ++i) m = finite_max4(m, w[i]);
+  for (int i0 = 0; i0 < n / 16; i0 += 8) {
+    uint4 x[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) x[j] = i0 + j < n / 16 ? v[i0 + j] : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) m = finite_max16(m, x[j]);
+  }
   return max_byte(m);
 }
 // 2^k as a float32, |k| <= 126.
