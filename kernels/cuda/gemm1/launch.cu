@@ -56,9 +56,9 @@ std::string tensor_map(CUtensorMap* map, const void* base, int64_t cols, int64_t
 }
 
 // The 16-bit kernel's operands: TMA needs 16-byte aligned bases; the f16 pass reads a row's scale
-// bytes 4 at a time (mx_bf16.cuh top_scale).
+// bytes 16 at a time (mx_bf16.cuh top_scale; a row's H / 32 bytes are a multiple of 16).
 bool bf16_operands_aligned(const void* w_scales, const void* rows, const void* scales) {
-  return aligned(w_scales, 16) && aligned(rows, 16) && aligned(scales, 4);
+  return aligned(w_scales, 16) && aligned(rows, 16) && aligned(scales, 16);
 }
 
 // The 16-bit kernel (both GEMMs; swiglu: GEMM1) with its TMA maps over the workspace's rows
