@@ -15,7 +15,10 @@ profile_gemm1.sh --peer, to set ours against it in cycles, the clock aside.
 With --time N: bench/timing.time_calls over N calls (after 2 warm-ups), its pipelined ms per call
 printed (`TIMING ...`): the timing of whatever kernel the build holds, its output NOT checked. It
 times diagnostic variants that compute wrong results on purpose (bench/device/ab_gemm1.sh
---unchecked); bench/run.py is the benchmark, which checks every result before it times it."""
+--unchecked); bench/run.py is the benchmark, which checks every result before it times it. With
+--sustain S as well: S seconds of calls back to back after them (bench/timing.sustained: the
+steady state at the board's power cap, where a call's time is its energy over the cap), printed as
+`SUSTAINED ...` with the SM clock and board power."""
 import argparse
 import sys
 from pathlib import Path
@@ -42,6 +45,8 @@ p.add_argument("--peer", choices=gemm_peers.GROUPED,
                help="with --rows: run this peer of bench/gemm_peers.py instead of ours")
 p.add_argument("--time", type=int, metavar="N",
                help="time N back-to-back calls (unchecked output) instead of one launch")
+p.add_argument("--sustain", type=float, default=0.0, metavar="S",
+               help="with --time: also S seconds of calls back to back (the steady state)")
 a = p.parse_args()
 
 s = jsm.SHAPES[a.shape]
@@ -100,3 +105,9 @@ print(f"gemm1 done: {a.shape} {what}, h {h.shape} {h.dtype}")
 if a.time:
   ms = timing.time_calls(gemm1, (*landed, w1q), a.time, warmup=2)["pipelined_ms"]
   print(f"TIMING {a.shape} {what}: {ms:.3f} ms per call, pipelined (unchecked)")
+  if a.sustain > 0:
+    r = timing.sustained(lambda: gemm1(*landed, w1q), jax.block_until_ready, a.sustain,
+                         jax.devices()[0].local_hardware_id or 0)
+    print(f"SUSTAINED {a.shape} {what}: {r['ms']:.3f} ms per call over {r['seconds']:.1f} s, "
+          f"{r.get('sm_mhz', float('nan')):.0f} MHz, {r.get('power_w', float('nan')):.0f} W "
+          "(unchecked)")

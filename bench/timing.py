@@ -53,8 +53,9 @@ def sustained(call: Callable[[], object], sync: Callable[[object], None], second
               gpu_index: int = 0) -> dict:
   """Calls back to back for `seconds` (a model's steady state: the GPU at its power limit, which
   short bursts of --iters calls do not reach), synchronised every 8 calls so that only a few
-  outputs live at once: ms per call over the second half, and the SM clock and board power that
-  nvidia-smi samples every 100 ms meanwhile (medians of the second half; absent without it)."""
+  outputs live at once: ms per call over the second half (at least the last 8 calls: a call
+  slower than `seconds` / 8 runs 16), and the SM clock and board power that nvidia-smi samples
+  every 100 ms meanwhile (medians of the second half; absent without it)."""
   smi = None
   if shutil.which("nvidia-smi"):
     smi = subprocess.Popen(["nvidia-smi", "-i", str(gpu_index), "--query-gpu=clocks.sm,power.draw",
@@ -67,9 +68,10 @@ def sustained(call: Callable[[], object], sync: Callable[[object], None], second
     if n % 8 == 0:
       sync(out)
       marks.append((time.perf_counter() - t0, n))
-      if marks[-1][0] >= seconds:
+      if marks[-1][0] >= seconds and len(marks) >= 2:
         break
-  half = next(m for m in marks if m[0] >= marks[-1][0] / 2)
+  # the second half from the first mark past its start, never the last mark itself
+  half = next((m for m in marks[:-1] if m[0] >= marks[-1][0] / 2), marks[-2])
   result = {"seconds": marks[-1][0], "calls": n,
             "ms": (marks[-1][0] - half[0]) / (marks[-1][1] - half[1]) * 1e3}
   if smi is not None:

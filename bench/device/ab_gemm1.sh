@@ -14,9 +14,10 @@
 # (ab2-<n>-*.log, ... for a second run in the same device call);
 # the last lines: one `gemm1 alone` row per variant and rows entry.
 # --unchecked: time with bench/gemm1_profile.py --time 10 instead (pipelined ms; R = 1 rows of
-# --rows over 128 experts, one TIMING line per variant and rows entry), whose output is NOT
-# checked: for diagnostic variants that compute wrong results on purpose (bench/run.py stops at
-# its check).
+# --rows over 128 experts, one TIMING line per variant and rows entry; the --FLAG VALUE pairs go
+# to it, e.g. --sustain 3 for a SUSTAINED line, the steady state at the power cap), whose output
+# is NOT checked: for diagnostic variants that compute wrong results on purpose (bench/run.py
+# stops at its check).
 # --tokens T1,T2: Stage1 at R = 1 (engine local, random routing: the experts' tails; every path
 # checked) at those tokens instead of gemm1 alone, beside the JAX capacity path; one Stage1 row
 # per variant and tokens entry.
@@ -83,8 +84,9 @@ for variant in "${VARIANTS[@]}"; do
       elif ((UNCHECKED)); then
         step "$RUN-$n-time" "$TIMEOUT" "${GUARD[@]}" "$OUT/$RUN-$n-time.log" \
           bash -c 'for s in ${1//,/ }; do for r in ${2//,/ }; do
-            python3 "$3/bench/gemm1_profile.py" "$s" --rows "$r" --experts 128 --time 10 || exit
-          done; done' _ "$SHAPES" "$ROWS" "$REPO"
+            python3 "$3/bench/gemm1_profile.py" "$s" --rows "$r" --experts 128 --time 10 \
+              "${@:4}" || exit
+          done; done' _ "$SHAPES" "$ROWS" "$REPO" "${ARGS[@]}"
       else
         step "$RUN-$n-time" "$TIMEOUT" "${GUARD[@]}" "$OUT/$RUN-$n-time.log" \
           python3 "$REPO/bench/run.py" --gpu --devices 1 \
@@ -94,7 +96,7 @@ for variant in "${VARIANTS[@]}"; do
       cd "$REPO"
     fi
     while IFS= read -r line; do TABLE+=("$(printf '%-40s %s' "$variant" "$line")"); done < <(
-        grep -E "gemm1 alone|^TIMING|engine:local " "$OUT/$RUN-$n-time.log")
+        grep -E "gemm1 alone|^TIMING|^SUSTAINED|engine:local " "$OUT/$RUN-$n-time.log")
   fi
 done
 restore
