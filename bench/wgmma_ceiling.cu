@@ -71,6 +71,7 @@ __device__ __forceinline__ void mma(float* d, const uint32_t (&a)[4], uint64_t d
     else ss_m64n256k16(d, desc_a, desc_b);
   }
 }
+
 template <int M>
 __device__ __forceinline__ void pin(float (&a)[M]) {
 #pragma unroll
