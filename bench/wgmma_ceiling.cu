@@ -30,14 +30,8 @@ constexpr int kThreads = 256, KS = 128;  // two consumer warpgroups; K per stage
 // sm90.cuh's operand lists.
 template <bool kF16>
 __device__ __forceinline__ void rs_m64n128k16(float* d, const uint32_t (&a)[4], uint64_t desc_b) {
-  if constexpr (kF16)
-    asm volatile(JSM_WGMMA_16(128, "f16", JSM_WGMMA_D64, JSM_WGMMA_IN64, ", 0")
-                 : JSM_WGMMA_ACC64
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-  else
-    asm volatile(JSM_WGMMA_BF16(128, JSM_WGMMA_D64, JSM_WGMMA_IN64, ", 0")
-                 : JSM_WGMMA_ACC64
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+  if constexpr (kF16) JSM_WGMMA_RS(128, 64, "f16");  // sm90.cuh's, as wgmma_m64nk16_rs issues it
+  else JSM_WGMMA_RS(128, 64, "bf16");
 }
 template <bool kF16>
 __device__ __forceinline__ void ss_m64n128k16(float* d, uint64_t desc_a, uint64_t desc_b) {
