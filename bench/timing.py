@@ -31,19 +31,21 @@ def time_calls(fn: Callable, args: tuple, iters: int, warmup: int) -> dict:
   """Per call (the protocol): wall time of one call until block_until_ready, median over iters.
   Also pipelined_ms: iters calls enqueued back to back, one wait at the end, / iters — what a
   model's step sees, without the ~0.1-0.2 ms of host dispatch and synchronisation per call that
-  dominate the small stages."""
+  dominate the small stages. The back-to-back calls come first, right after the warm-up, as
+  gemm_peers.cuda_ms times the peers: a GPU's clock falls as a run of calls goes on (the power
+  cap), so a ratio of the two holds only where both are timed at the same point of their runs."""
   for _ in range(warmup):
     jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
   t0 = time.perf_counter()
   outs = [fn(*args) for _ in range(iters)]
   jax.block_until_ready(outs)
   pipelined = (time.perf_counter() - t0) / iters
   del outs
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
   ms = all_processes(times).max(0) * 1e3  # per call, the slowest process
   return {"median_ms": float(np.median(ms)), "min_ms": float(ms.min()),
           "p90_ms": float(np.percentile(ms, 90)), "pipelined_ms": slowest(pipelined) * 1e3}
