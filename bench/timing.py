@@ -27,13 +27,22 @@ from bench.processes import all_processes, slowest
 # Timing
 
 
-def time_calls(fn: Callable, args: tuple, iters: int, warmup: int) -> dict:
+# Idle seconds between time_calls' two measurements on a GPU (a burst of ~10-100 ms at the power
+# cap leaves its clock low for a while after it). A CPU run does not rest.
+REST_S = 1.0
+
+
+def time_calls(fn: Callable, args: tuple, iters: int, warmup: int,
+               rest_s: Optional[float] = None) -> dict:
   """Per call (the protocol): wall time of one call until block_until_ready, median over iters.
   Also pipelined_ms: iters calls enqueued back to back, one wait at the end, / iters — what a
   model's step sees, without the ~0.1-0.2 ms of host dispatch and synchronisation per call that
-  dominate the small stages. The back-to-back calls come first, right after the warm-up, as
-  gemm_peers.cuda_ms times the peers: a GPU's clock falls as a run of calls goes on (the power
-  cap), so a ratio of the two holds only where both are timed at the same point of their runs."""
+  dominate the small stages. A GPU's clock falls as a run of calls goes on (the power cap), so
+  a ratio holds only between calls timed at the same point of their runs: each measurement starts
+  right after a warm-up from a rested GPU, as gemm_peers.cuda_ms times the peers (their inputs
+  made and checked in between). rest_s: the rest (default REST_S on a GPU, 0 on a CPU)."""
+  if rest_s is None:
+    rest_s = 0.0 if jax.devices()[0].platform == "cpu" else REST_S
   for _ in range(warmup):
     jax.block_until_ready(fn(*args))
   t0 = time.perf_counter()
@@ -41,6 +50,10 @@ def time_calls(fn: Callable, args: tuple, iters: int, warmup: int) -> dict:
   jax.block_until_ready(outs)
   pipelined = (time.perf_counter() - t0) / iters
   del outs
+  if rest_s > 0:
+    time.sleep(rest_s)
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
   times = []
   for _ in range(iters):
     t0 = time.perf_counter()

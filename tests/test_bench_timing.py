@@ -16,7 +16,8 @@ class TimeCallsTest(absltest.TestCase):
 
   def test_burst_right_after_the_warmup(self):
     """gemm_peers.cuda_ms times a peer's calls right after its warm-up; ours must be timed at the
-    same point (before 10 calls that each wait, a GPU runs at a lower clock: 3-8% in one run)."""
+    same point (after 10 calls that each wait, a GPU runs at a lower clock: 3-8% in one run), the
+    waited calls too (after a rest and another warm-up)."""
     events = []
 
     def fn(x):
@@ -27,10 +28,12 @@ class TimeCallsTest(absltest.TestCase):
       events.append("wait")
       return out
 
-    with mock.patch.object(timing.jax, "block_until_ready", wait):
-      r = timing.time_calls(fn, (1,), iters=3, warmup=2)
-    self.assertEqual(events, ["call", "wait"] * 2 + ["call"] * 3 + ["wait"] +
-                     ["call", "wait"] * 3)
+    with mock.patch.object(timing.jax, "block_until_ready", wait), \
+         mock.patch.object(timing.time, "sleep", lambda s: events.append(f"rest {s}")):
+      r = timing.time_calls(fn, (1,), iters=3, warmup=2, rest_s=timing.REST_S)
+    warmup = ["call", "wait"] * 2
+    self.assertEqual(events, warmup + ["call"] * 3 + ["wait"] + [f"rest {timing.REST_S}"] +
+                     warmup + ["call", "wait"] * 3)
     self.assertGreaterEqual(r["pipelined_ms"], 0.0)
     self.assertLessEqual(r["min_ms"], r["median_ms"])
 
