@@ -16,8 +16,8 @@ class TimeCallsTest(absltest.TestCase):
 
   def test_burst_right_after_the_warmup(self):
     """gemm_peers.cuda_ms times a peer's calls right after its warm-up; ours must be timed at the
-    same point (after 10 calls that each wait, a GPU runs at a lower clock: 3-8% in one run), the
-    waited calls too (after a rest and another warm-up)."""
+    same point (after 10 calls that each wait, a GPU runs at a lower clock: ours was 2-15% slower
+    there in one device call), the waited calls too (after a rest and another warm-up)."""
     events = []
 
     def fn(x):
