@@ -16,6 +16,7 @@
 //     bench/wgmma_ceiling.cu && /tmp/wgmma [launches per form] [form number: that one only]
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 
 #include "kernels/cuda/gemm1/mx_bf16.cuh"  // upcast4, factor_bf16x2: the GEMM's own
 #include "kernels/cuda/gemm1/sm90.cuh"     // wgmma_*, lds128, smem_desc_addr
@@ -197,18 +198,10 @@ void time_form(const char* name, int sms, float* sink, int reps) {
 }
 
 // argv[1]: launches timed per form (default 5; more keep the tensor pipe busy for a clock
-// reading); argv[2]: run only form number argv[2] (0-8, the order below), so that a clock and
-// power reading taken meanwhile is that form's (wgmma_ceiling.sh)
+// reading); argv[2]: run only form number argv[2] (the order below), so that a clock and power
+// reading taken meanwhile is that form's (wgmma_ceiling.sh). `--forms`: print how many forms
+// there are (wgmma_ceiling.sh runs each by number), touching no GPU.
 int main(int argc, char** argv) {
-  const int reps = argc > 1 ? atoi(argv[1]) : 5;
-  const int only = argc > 2 ? atoi(argv[2]) : -1;
-  int sms = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  float* sink;
-  cudaMalloc(&sink, sizeof(float) * sms * kThreads);
-  if (only < 0)
-    printf("form     type weights       time      rate (%d SMs, 2 consumer warpgroups each, no "
-           "loads)\n", sms);
   void (*forms[])(const char*, int, float*, int) = {
       time_form<128, 2, true, true>,         time_form<128, 2, true, false>,
       time_form<128, 2, true, true, true>,   time_form<128, 2, true, false, true>,
@@ -219,6 +212,19 @@ int main(int argc, char** argv) {
                          "rs256",   "ss128x2", "ss128x2", "ss256"};
   constexpr int n = sizeof(names) / sizeof(names[0]);
   static_assert(sizeof(forms) / sizeof(forms[0]) == n, "a name per form");
+  if (argc > 1 && strcmp(argv[1], "--forms") == 0) {
+    printf("%d\n", n);
+    return 0;
+  }
+  const int reps = argc > 1 ? atoi(argv[1]) : 5;
+  const int only = argc > 2 ? atoi(argv[2]) : -1;
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  float* sink;
+  cudaMalloc(&sink, sizeof(float) * sms * kThreads);
+  if (only < 0)
+    printf("form     type weights       time      rate (%d SMs, 2 consumer warpgroups each, no "
+           "loads)\n", sms);
   for (int i = 0; i < n; ++i)
     if (only < 0 || only == i) forms[i](names[i], sms, sink, reps);
   return 0;

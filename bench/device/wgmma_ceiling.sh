@@ -18,7 +18,9 @@ late_median() {
 }
 run_forms() {
   printf '%-54s %8s %6s\n' "form, type, weights, time, rate" "MHz" "W"
-  for form in 0 1 2 3 4 5 6 7 8; do
+  local forms
+  forms=$(/tmp/jsm-wgmma --forms) || return 1
+  for ((form = 0; form < forms; ++form)); do
     nvidia-smi --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits -lms 100 \
       > "$OUT/wgmma-smi-$form.log" 2>&1 &
     local smi=$!
