@@ -3,7 +3,8 @@ once on odd sizes (T not a multiple of anything, I not a multiple of the column 
 GEMM route: H = 224 (the mma.sync kernel, any H % 32 == 0), H = 256 (the fp8 warp-specialised
 kernel with TMA, H % 128 == 0), H = 512 (the bf16 wgmma kernel, H % 512 == 0 and I % 64 == 0) with
 a few rows per expert (its 32-token tile), ~140 (most experts' last full tile and tail in its wide
-152-token tile) and hundreds (its 128-token tile; GEMM2 on the same kernel where I % 256 == 0),
+152-token tile), hundreds (its 128-token tile; GEMM2 on the same kernel where I % 256 == 0) and
+~2350 (on 132 SMs, the 128-token tiles end in a partial wave, run in 32-token units),
 each with bf16 and MX-fp8 Stage1 output; on the 16-bit kernel also weights whose scales are all
 below f16's own range (the f16 pass in each row's window), and weights whose rows' first blocks lie
 outside their windows, so the bf16 pass redoes every expert."""
@@ -26,7 +27,7 @@ def put(a, dtype):
 
 
 CASES = ((37, 224, 96, 12, 3), (37, 256, 96, 12, 3), (37, 512, 192, 12, 3), (281, 512, 256, 4, 2),
-         (515, 512, 256, 4, 2))
+         (515, 512, 256, 4, 2), (4700, 512, 256, 4, 2))
 for T, H, I, E, K in CASES:
   x = put(r.standard_normal((T, H)), jnp.bfloat16)
   ids = put(np.stack([r.permutation(E)[:K] for _ in range(T)]), jnp.int32)

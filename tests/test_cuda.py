@@ -154,6 +154,9 @@ class CudaGemm1Test(parameterized.TestCase):
     E, K, H = s.num_experts, s.topk, s.hidden
     if routing == "skewed":  # one expert gets every token, most experts none
       ids = np.stack([np.concatenate([[0], 1 + r.permutation(7)[:K - 1]]) for _ in range(T)])
+    elif routing == "lastwave":  # T // 16 experts of 128 rows each (token t: experts 8t + j)
+      m = T // 16
+      ids = np.stack([r.permutation((K * t + np.arange(K)) % m) for t in range(T)])
     else:
       ids = np.stack([r.permutation(E)[:K] for _ in range(T)])
     x = r.standard_normal((T, H)) * r.uniform(0.5, 2, (T, 1))
@@ -186,9 +189,23 @@ class CudaGemm1Test(parameterized.TestCase):
       out, landed = self.run_and_check_layout(s, cfg, f, x, ids, w, w1q)
       self.check_experts(out, landed, w1q, s.swiglu_limit, out_dtype, r)
 
+  @staticmethod
+  def lastwave_tokens(s):
+    """Tokens for routing "lastwave": the large tile's head launch then has some full waves of
+    items on the GPU's SMs (one CTA each) and a last partial wave that the tail launch runs in
+    32-token units (kernels/cuda/gemm1/scheduler.cuh head_items_left): m experts of 128 rows,
+    16 m tokens."""
+    sms, col_tiles = GPU.core_count, s.intermediate // 128  # GEMM1 tiles: 128 columns
+    for m in range(s.topk, s.num_experts + 1):
+      items = m * col_tiles
+      if items > sms and 0 < items % sms and 4 * (items % sms) <= sms:
+        return 16 * m
+    raise AssertionError(f"no expert count gives a last partial wave on {sms} SMs")
+
   @parameterized.parameters(("bf16", "uniform", 768), ("mxfp8", "uniform", 768),
                             ("bf16", "skewed", 800), ("mxfp8", "uniform", 4608),
-                            ("bf16", "uniform", 4608))
+                            ("bf16", "uniform", 4608), ("bf16", "lastwave", None),
+                            ("mxfp8", "lastwave", None))
   def test_tile_widths_give_the_same_bytes(self, out_dtype, routing, T):
     """The bf16 GEMM's tiles (Stage1Config.gemm_tile_tokens) on the same rows: h byte for byte,
     and the small tile's against the reference. The large tile leaves an expert's tail past its
@@ -196,9 +213,12 @@ class CudaGemm1Test(parameterized.TestCase):
     last full tile in a 152-token tile, up to 32 run in small tiles. dsv3, uniform, 768 tokens:
     ~24 rows per expert, so some experts fill more than one small tile and most are tails only;
     skewed, 800 tokens: eight experts of 800 rows, six full large tiles and a tail of 32 (small
-    tiles); uniform, 4608 tokens: ~144 rows per expert, tails on both sides of 24 and 32."""
+    tiles); uniform, 4608 tokens: ~144 rows per expert, tails on both sides of 24 and 32;
+    lastwave: the large tile's head launch leaves its last partial wave to the tail launch
+    (lastwave_tokens)."""
     s = jsm.SHAPES["dsv3"]
     r = _util.rng()
+    T = T or self.lastwave_tokens(s)
     x, ids, w = self.inputs(s, T, routing, r)
     w1q = self.w1q("dsv3")
     outs = {}

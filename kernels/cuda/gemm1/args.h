@@ -71,7 +71,7 @@ struct Gemm1Args {
   int64_t xb_ready_count;
   // The bf16 kernel's row split (launch_bf16_route): the RowPart of each expert's rows that this
   // launch covers.
-  int row_part;
+  int row_part = kAllRows;
   // The 16-bit kernel's two passes (launch_bf16_route): the f16 one, exact where every block's
   // scale is within its row's window (mx_bf16.cuh window_bias), sets fallback[e] and
   // fallback[EL] (words after the row-tile flags, zeroed per call) where a block of expert e's

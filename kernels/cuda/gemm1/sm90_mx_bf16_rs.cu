@@ -118,7 +118,7 @@ template <int kTok>
 constexpr int kSmemBytes = int(sizeof(Shared<kTok>)) + 1024 - 16;
 template <int kTok>
 constexpr bool kFits =
-    kSmemBytes<kTok> + int(sizeof(int32_t)) * (kMaxExperts + 1) <= 227 * 1024;
+    kSmemBytes<kTok> + int(sizeof(TileSchedulerFor<kTok, COLS>)) <= 227 * 1024;
 static_assert(kFits<kBf16TileTokens> && kFits<kBf16WideTileTokens> && kFits<kBf16SmallTileTokens>,
               "shared memory of one CTA (dynamic + the scheduler's static prefix)");
 
@@ -191,7 +191,7 @@ __device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared<kTok>& sh
   if (int(blockIdx.x) < total) load_scales(0, sched.tile(g, blockIdx.x), 0);
   for (int w = blockIdx.x, n = 0; w < total; w += gridDim.x, ++n) {
     const Tile t = sched.tile(g, w);
-    if (lane == 0) {
+    if (lane == 0 && t.rt >= 0) {  // rt < 0: the head launch's rows (scheduler.cuh)
       // the row tile's bf16 rows: transitively bounded (the transform's own waits are: fused,
       // at most timeout_ns each, and none after the call's first expired), bounded here too; an
       // expiry is a broken protocol, not a slow peer: fail the launch loudly, never compute on

@@ -46,7 +46,7 @@ __device__ __forceinline__ void mark_fallback(const Gemm1Args& g, int e) {
 template <bool kF16, class Scheduler>
 __device__ __forceinline__ void transform_row_tiles(const Gemm1Args& g, const Scheduler& sched,
                                                     int* bias, int t) {
-  const int items = sched.total(g) / Scheduler::n_tiles(g) * kChunks, nks = int(g.H / kBf16StageK);
+  const int items = sched.row_tiles(g) * kChunks, nks = int(g.H / kBf16StageK);
   int ready = -1;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const int rt = item / kChunks, chunk = item % kChunks;
