@@ -154,8 +154,8 @@ class CudaGemm1Test(parameterized.TestCase):
     E, K, H = s.num_experts, s.topk, s.hidden
     if routing == "skewed":  # one expert gets every token, most experts none
       ids = np.stack([np.concatenate([[0], 1 + r.permutation(7)[:K - 1]]) for _ in range(T)])
-    elif routing == "lastwave":  # T // 16 experts of 128 rows each (token t: experts 8t + j)
-      m = T // 16
+    elif routing == "lastwave":  # m = T K / 128 experts of 128 rows (token t: (K t + j) mod m)
+      m = T * K // 128
       ids = np.stack([r.permutation((K * t + np.arange(K)) % m) for t in range(T)])
     else:
       ids = np.stack([r.permutation(E)[:K] for _ in range(T)])
@@ -194,12 +194,13 @@ class CudaGemm1Test(parameterized.TestCase):
     """Tokens for routing "lastwave": the large tile's head launch then has some full waves of
     items on the GPU's SMs (one CTA each) and a last partial wave that the tail launch runs in
     32-token units (kernels/cuda/gemm1/scheduler.cuh head_items_left): m experts of 128 rows,
-    16 m tokens."""
+    128 m / K tokens."""
+    large, small = jsm.layout.GEMM_TILE_TOKENS
     sms, col_tiles = GPU.core_count, s.intermediate // 128  # GEMM1 tiles: 128 columns
     for m in range(s.topk, s.num_experts + 1):
-      items = m * col_tiles
-      if items > sms and 0 < items % sms and 4 * (items % sms) <= sms:
-        return 16 * m
+      items = m * col_tiles  # one row tile each
+      if items > sms and 0 < items % sms and large // small * (items % sms) <= sms:
+        return large * m // s.topk
     raise AssertionError(f"no expert count gives a last partial wave on {sms} SMs")
 
   @parameterized.parameters(("bf16", "uniform", 768), ("mxfp8", "uniform", 768),
