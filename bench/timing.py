@@ -43,8 +43,12 @@ def time_calls(fn: Callable, args: tuple, iters: int, warmup: int,
   made and checked in between). rest_s: the rest (default REST_S on a GPU, 0 on a CPU)."""
   if rest_s is None:
     rest_s = 0.0 if jax.devices()[0].platform == "cpu" else REST_S
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
+
+  def warm():
+    for _ in range(warmup):
+      jax.block_until_ready(fn(*args))
+
+  warm()
   t0 = time.perf_counter()
   outs = [fn(*args) for _ in range(iters)]
   jax.block_until_ready(outs)
@@ -52,8 +56,7 @@ def time_calls(fn: Callable, args: tuple, iters: int, warmup: int,
   del outs
   if rest_s > 0:
     time.sleep(rest_s)
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
+  warm()
   times = []
   for _ in range(iters):
     t0 = time.perf_counter()
