@@ -32,7 +32,7 @@ def send_rows(tokens: int, topk: int) -> int:
 # first. The small tile serves weight-bound calls, where experts hold few rows.
 GEMM_TILE_TOKENS = (128, 32)
 # The 16-bit GEMM's launches per call, each with its own row-tile flags (kernels/cuda/gemm1/args.h
-# kBf16FlagRegions): the f16 pass's head, wide and tail launches and the bf16 pass's one.
+# kBf16FlagRegions): the f16 pass's head, tail and wide launches and the bf16 pass's one.
 GEMM_FLAG_REGIONS = 4
 
 

@@ -36,7 +36,7 @@ constexpr int64_t bf16_row_tiles_bound(int64_t m_cap, int EL) {
   return m_cap / kBf16SmallTileTokens + EL;
 }
 // The workspace's words: one region of row-tile flags per launch of a call (the f16 pass's head,
-// wide and tail launches, then the bf16 pass's one), and after them the f16 pass's fallback words
+// tail and wide launches, then the bf16 pass's one), and after them the f16 pass's fallback words
 // (Gemm1Args::fallback: one per expert and one for any), all zeroed by one memset per call; then
 // the f16 pass's row factors (Gemm1Args::row_factor: one per landed row, written before read).
 // jax_sdma_moe/layout.py's bf16_gemm_workspace sizes them by this rule (GEMM_FLAG_REGIONS).
@@ -69,6 +69,8 @@ struct Gemm1Args {
   uint8_t* xb;
   uint32_t* xb_ready;
   int64_t xb_ready_count;
+  // The head launch's region (the tail launch's borrowed units read its row tiles, scheduler.cuh).
+  const uint32_t* head_ready;
   // The bf16 kernel's row split (launch_bf16_route): the RowPart of each expert's rows that this
   // launch covers.
   int row_part = kAllRows;

@@ -39,9 +39,12 @@ constexpr int kBf16TileCols = 128, kBf16StageK = 128, kBf16WeightBoxRows = 128;
 // SchedulerFor in the .cu). tile_tokens: kBf16TileTokens, kBf16WideTileTokens or
 // kBf16SmallTileTokens (args.h). f16: the f16 pass (exact where every block's scale is within its
 // row's window, mx_bf16.cuh; else it marks the expert in g.fallback and the bf16 pass after it
-// redoes that expert's tiles: Gemm1Args::redo).
+// redoes that expert's tiles: Gemm1Args::redo). programmatic: this launch follows another of
+// this kernel's on the stream (a call's launches after its first) and may take that one's SMs as
+// they come free (see the kernel in the .cu).
 void launch_sm90_mx_bf16_rs(const Gemm1Args& g, const Bf16RsMaps& maps, int grid,
-                            cudaStream_t stream, bool swiglu, int tile_tokens, bool f16);
+                            cudaStream_t stream, bool swiglu, int tile_tokens, bool f16,
+                            bool programmatic);
 
 // sm80_mma.cu: mma.sync with cp.async stages (any H % 32 == 0).
 void launch_sm80_mma(const Gemm1Args& g, int grid, cudaStream_t stream);

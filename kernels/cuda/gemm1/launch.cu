@@ -92,9 +92,11 @@ std::string launch_bf16_route(Gemm1Args g, int64_t weight_rows, int grid,
     int tokens;
     bool f16;
   };
+  // The tail launch right after the head one: it runs the head launch's last partial wave in
+  // small units (scheduler.cuh head_items_left), on the SMs the head launch's CTAs leave.
   const Part split[4] = {{kHeadRows, kBf16TileTokens, true},
-                         {kWideRows, kBf16WideTileTokens, true},
                          {kTailRows, kBf16SmallTileTokens, true},
+                         {kWideRows, kBf16WideTileTokens, true},
                          {kAllRows, kBf16SmallTileTokens, false}};
   const Part all[2] = {{kAllRows, int(tile_tokens), true},
                        {kAllRows, kBf16SmallTileTokens, false}};
@@ -108,10 +110,12 @@ std::string launch_bf16_route(Gemm1Args g, int64_t weight_rows, int grid,
     g.row_part = part.rows;
     g.redo = !part.f16;  // the experts the f16 pass marked in g.fallback, if any
     g.xb_ready = flags + i * region, g.xb_ready_count = region;
+    g.head_ready = flags;  // the first launch's
     // the rows' map: boxes of the launch's tile width (the one before's where it is the same)
     if (i == 0 || part.tokens != parts[i - 1].tokens)
       err = tensor_map(&maps.xb, g.xb, 2 * g.H, g.m_cap, part.tokens, 128);
-    if (err.empty()) launch_sm90_mx_bf16_rs(g, maps, grid, stream, swiglu, part.tokens, part.f16);
+    if (err.empty())
+      launch_sm90_mx_bf16_rs(g, maps, grid, stream, swiglu, part.tokens, part.f16, i > 0);
   }
   return err;
 }

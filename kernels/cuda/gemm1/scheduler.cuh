@@ -32,7 +32,8 @@ struct Tile {
   int64_t row0;  // first landed row of the tile
   int rows;      // valid rows in the tile
   int64_t n0;    // first output column
-  int rt;        // the row tile's number in the call (experts in order, then row tiles)
+  int rt;        // the row tile's number in its launch (experts in order, then row tiles)
+  bool head;     // the row tile is the head launch's (its flag: Gemm1Args::head_ready)
 };
 
 // Work items (expert, column tile, row tile) numbered from the device-side expert counts: one
@@ -183,8 +184,8 @@ struct TileSchedulerFor {
 
  private:
   // The tail launch's unit u of the head launch's items it runs (init): 32 rows of one of them.
-  // Its rows were upcast and flagged by the head launch, which has ended (rt -1: no flag to wait
-  // for).
+  // Its rows are upcast and flagged by the head launch, which may still run (launch.cu): its
+  // row tile's number and flag are the head launch's.
   __device__ __forceinline__ Tile borrowed_unit(const Gemm1Args& g, int u) const {
     const int left = (work - tile_start[g.EL]) / kBorrowUnits;
     const int item = head_items - left + u / kBorrowUnits;
@@ -200,7 +201,8 @@ struct TileSchedulerFor {
     t.row0 = g.offsets[e] + first + r0;
     t.rows = max(0, min(kRows, rows - r0));  // 0: a unit past a partial tile's rows stores none
     t.n0 = int64_t(local / row_tiles) * kCols;
-    t.rt = -1;
+    t.rt = start / n_tiles(g) + local % row_tiles;
+    t.head = true;
     return t;
   }
 
@@ -224,6 +226,7 @@ struct TileSchedulerFor {
     t.rows = min(kRows, rows - mt * kRows);
     t.n0 = n0;
     t.rt = tile_start[e] / n_tiles(g) + mt;
+    t.head = false;
     return t;
   }
 };

@@ -191,12 +191,12 @@ __device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared<kTok>& sh
   if (int(blockIdx.x) < total) load_scales(0, sched.tile(g, blockIdx.x), 0);
   for (int w = blockIdx.x, n = 0; w < total; w += gridDim.x, ++n) {
     const Tile t = sched.tile(g, w);
-    if (lane == 0 && t.rt >= 0) {  // rt < 0: the head launch's rows (scheduler.cuh)
+    if (lane == 0) {
       // the row tile's bf16 rows: transitively bounded (the transform's own waits are: fused,
       // at most timeout_ns each, and none after the call's first expired), bounded here too; an
       // expiry is a broken protocol, not a slow peer: fail the launch loudly, never compute on
       // rows that are not there
-      const uint32_t* flag = g.xb_ready + t.rt;
+      const uint32_t* flag = (t.head ? g.head_ready : g.xb_ready) + t.rt;
       const uint64_t deadline =
           timer_now() + (g.timeout_ns ? 2 * g.timeout_ns : 20000000000ull);
       while (ld_acquire_gpu(flag) < uint32_t(kChunks))
@@ -511,7 +511,9 @@ template <bool kSwiglu, int kTok, bool kF16>
 __device__ __forceinline__ void gemm_body(const Gemm1Args& g_in, const Bf16RsMaps& maps) {
   using Scheduler = SchedulerFor<kSwiglu, kTok>;
   constexpr int STAGES = kStages<kTok>;
-  // the bf16 pass after an f16 one runs only where that one met a block outside its window
+  // the bf16 pass after an f16 one runs only where that one met a block outside its window: the
+  // words its launches before it wrote, once they have completed (launch: programmatic)
+  if (!kF16) asm volatile("griddepcontrol.wait;" ::: "memory");
   if (!kF16 && g_in.redo && g_in.fallback[g_in.EL] == 0) return;
   const Gemm1Args g = resolve_slot(g_in);
   extern __shared__ uint8_t smem_raw[];
@@ -556,17 +558,35 @@ __device__ __forceinline__ void gemm_body(const Gemm1Args& g_in, const Bf16RsMap
 }
 
 // One kernel per GEMM (kSwiglu), tile width (kTok) and 16-bit type (kF16).
+// A call's launches after its first are programmatic (launch): each may take the SMs that the
+// launch before it leaves while that one's last tiles still run. So each launch lets the next one
+// start at once, and waits for the one before it to complete before its CTAs exit: a launch's
+// completion then implies every earlier launch's, which is what the stream's later work relies
+// on (without a launch attribute the wait returns at once).
 template <bool kSwiglu, int kTok, bool kF16>
 __global__ void __launch_bounds__(kWsThreads, 1)
     gemm_sm90_mx_bf16_rs(const Gemm1Args g, const __grid_constant__ Bf16RsMaps maps) {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   gemm_body<kSwiglu, kTok, kF16>(g, maps);
+  asm volatile("griddepcontrol.wait;" ::: "memory");
 }
 
 template <bool kSwiglu, int kTok, bool kF16>
-void launch(const Gemm1Args& g, const Bf16RsMaps& maps, int grid, cudaStream_t stream) {
+void launch(const Gemm1Args& g, const Bf16RsMaps& maps, int grid, cudaStream_t stream,
+            bool programmatic) {
   auto kernel = gemm_sm90_mx_bf16_rs<kSwiglu, kTok, kF16>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<kTok>);
-  kernel<<<grid, kWsThreads, kSmemBytes<kTok>, stream>>>(g, maps);
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(kWsThreads);
+  config.dynamicSmemBytes = kSmemBytes<kTok>;
+  config.stream = stream;
+  config.attrs = &attr;
+  config.numAttrs = programmatic ? 1 : 0;
+  cudaLaunchKernelEx(&config, kernel, g, maps);
 }
 
 }  // namespace sm90_bf16
@@ -585,17 +605,18 @@ cudaError_t load_sm90_mx_bf16_rs() {
 }
 
 void launch_sm90_mx_bf16_rs(const Gemm1Args& g, const Bf16RsMaps& maps, int grid,
-                            cudaStream_t stream, bool swiglu, int tile_tokens, bool f16) {
+                            cudaStream_t stream, bool swiglu, int tile_tokens, bool f16,
+                            bool programmatic) {
   using namespace sm90_bf16;
   // the bf16 pass runs the small tile only (launch.cu launch_bf16_route)
   auto launch_type = [&](auto swiglu_tag) {
     constexpr bool kSwiglu = decltype(swiglu_tag)::value;
-    if (!f16) launch<kSwiglu, kBf16SmallTileTokens, false>(g, maps, grid, stream);
+    if (!f16) launch<kSwiglu, kBf16SmallTileTokens, false>(g, maps, grid, stream, programmatic);
     else if (tile_tokens == kBf16SmallTileTokens)
-      launch<kSwiglu, kBf16SmallTileTokens, true>(g, maps, grid, stream);
+      launch<kSwiglu, kBf16SmallTileTokens, true>(g, maps, grid, stream, programmatic);
     else if (tile_tokens == kBf16WideTileTokens)
-      launch<kSwiglu, kBf16WideTileTokens, true>(g, maps, grid, stream);
-    else launch<kSwiglu, kBf16TileTokens, true>(g, maps, grid, stream);
+      launch<kSwiglu, kBf16WideTileTokens, true>(g, maps, grid, stream, programmatic);
+    else launch<kSwiglu, kBf16TileTokens, true>(g, maps, grid, stream, programmatic);
   };
   if (swiglu) launch_type(std::true_type{});
   else launch_type(std::false_type{});
