@@ -76,6 +76,7 @@ std::string launch_bf16_route(Gemm1Args g, int64_t weight_rows, int grid,
   const int64_t region = bf16_row_tiles_bound(g.m_cap, g.EL);
   g.fallback = flags + kBf16FlagRegions * region;
   g.row_factor = reinterpret_cast<float*>(g.fallback + g.EL + 1);
+  g.head_ready = flags;  // the first launch's region (the tail launch's borrowed units)
   Bf16RsMaps maps;
   std::string err = tensor_map(&maps.w, g.w, g.H, weight_rows, kBf16WeightBoxRows, kBf16StageK);
   if (err.empty())
@@ -110,7 +111,6 @@ std::string launch_bf16_route(Gemm1Args g, int64_t weight_rows, int grid,
     g.row_part = part.rows;
     g.redo = !part.f16;  // the experts the f16 pass marked in g.fallback, if any
     g.xb_ready = flags + i * region, g.xb_ready_count = region;
-    g.head_ready = flags;  // the first launch's
     // the rows' map: boxes of the launch's tile width (the one before's where it is the same)
     if (i == 0 || part.tokens != parts[i - 1].tokens)
       err = tensor_map(&maps.xb, g.xb, 2 * g.H, g.m_cap, part.tokens, 128);
