@@ -390,9 +390,15 @@ __device__ __forceinline__ void issue_block(float (&gate)[kTok / 2], float (&up)
   fence_acc(gate);
   fence_acc(up);
   wgmma_fence();
+  // the address field is the low word's (no carry, above), so the offset is added to it alone:
+  // the high word stays the constant of smem_desc_addr (a 64-bit add cost ptxas two more moves and
+  // a carry per instruction)
+  const uint32_t desc_hi = uint32_t(b_desc >> 32), desc_lo = uint32_t(b_desc);
 #pragma unroll
   for (int s = 0; s < 2; ++s) {
-    const uint64_t desc = b_desc + uint64_t(((blk / 2) * kTok * KS + (blk % 2) * 64 + s * 32) >> 4);
+    const uint64_t desc =
+        uint64_t(desc_hi) << 32 |
+        (desc_lo + uint32_t(((blk / 2) * kTok * KS + (blk % 2) * 64 + s * 32) >> 4));
     wgmma_m64nk16_rs<kTok, kF16>(gate, f.r[0][s], desc);
     wgmma_m64nk16_rs<kTok, kF16>(up, f.r[1][s], desc);
   }

@@ -82,11 +82,14 @@ __device__ __forceinline__ void transform_row_tiles(const Gemm1Args& g, const Sc
       if (active) {
         const int64_t from = source(row) * g.H + k0;
         const uint4* src = reinterpret_cast<const uint4*>(g.a + from);
+        // the stage's four scale bytes in one aligned word (H % 512 == 0, 16-byte aligned scales:
+        // launch.cu), one L2 request where four byte loads took four
+        const uint32_t scales = *reinterpret_cast<const uint32_t*>(g.a_scales + from / kBlock);
 #pragma unroll
         for (int b = 0; b < 4; ++b) {
           in[b][0] = src[2 * b];
           in[b][1] = src[2 * b + 1];
-          e[b] = g.a_scales[from / kBlock + b];
+          e[b] = (scales >> (8 * b)) & 0xFFu;
         }
       }
       uint4* own = reinterpret_cast<uint4*>(g.xb + (row * g.H + k0) * 2);
