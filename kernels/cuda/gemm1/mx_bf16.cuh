@@ -145,16 +145,19 @@ __device__ __forceinline__ float pow2(int k) { return __int_as_float((k + 127) <
 // same order: logical block lb, step s, k 0-7 (q = 0) or 8-15 (q = 1) of a token row holds bytes
 // 0-1 (q = 0) or 2-3 (q = 1) of word 2 lb + s of blocks tig = 0..3.
 //
-// One stage of a token row (blocks in[tig] = 32 fp8 values, scale bytes e[tig]) -> 256 bytes of
-// bf16 (kF16: f16, in the row's window: bias) in the workspace in that order. Returns false where
-// kF16 and a block's scale is outside the window and its values are not all zero: the bytes
-// written are then not the values. An all-zero block (a zero token row's: scale byte 85) is zeros
-// at any scale, so it is exact in f16 (its factor taken as 1, never inf); the NaN scale is never
-// exact.
-// store(c, lo, hi): the 16-byte chunks c and c + 1 of the 256 (a 32-byte sector), c = 0, 2, .. 14.
+// Half q of one stage of a token row -> its 128 bytes of the stage's 256 of bf16 (kF16: f16, in
+// the row's window: bias) in the workspace in that order: in[b], bytes 16 q .. 16 q + 15 of the
+// stage's MX block b (32 fp8 values; scale byte e[b]), are logical blocks 2 q and 2 q + 1, so one
+// lane of a pair upcasts each half (the transform: whole 32-byte sectors per load across the
+// pair). Returns false where kF16 and a block's scale is outside the window and this half's values
+// are not all zero: the bytes written are then not the values. An all-zero block (a zero token
+// row's: scale byte 85) is zeros at any scale, so it is exact in f16 (its factor taken as 1, never
+// inf); the NaN scale is never exact.
+// store(c, lo, hi): the 16-byte chunks c and c + 1 of the 256 (a 32-byte sector), c = 8 q + 0, 2,
+// 4, 6.
 template <bool kF16, class Store>
-__device__ __forceinline__ bool upcast_stage(const uint4 (&in)[4][2], const uint32_t (&e)[4],
-                                             int bias, Store&& store) {
+__device__ __forceinline__ bool upcast_half_stage(const uint4 (&in)[4], const uint32_t (&e)[4],
+                                                  int bias, int q, Store&& store) {
   bool slow[4], exact = true;
   uint32_t f[4];
 #pragma unroll
@@ -164,9 +167,8 @@ __device__ __forceinline__ bool upcast_stage(const uint4 (&in)[4][2], const uint
       const uint32_t eb = e[b] - uint32_t(bias);  // wraps below 0: out of range
       const bool in_range = f16_scale(eb);
       if (!in_range) {  // rare: only here are the block's bytes looked at
-        const uint4 &lo = in[b][0], &hi = in[b][1];
-        const uint32_t any = lo.x | lo.y | lo.z | lo.w | hi.x | hi.y | hi.z | hi.w;
-        exact &= (any & 0x7F7F7F7Fu) == 0 && e[b] != kScaleNaN;  // +-0 bytes only
+        const uint4& v = in[b];
+        exact &= ((v.x | v.y | v.z | v.w) & 0x7F7F7F7Fu) == 0 && e[b] != kScaleNaN;  // +-0 only
       }
       f[b] = factor_f16x2(in_range ? eb : 127u);
     } else {
@@ -174,18 +176,18 @@ __device__ __forceinline__ bool upcast_stage(const uint4 (&in)[4][2], const uint
     }
   }
 #pragma unroll
-  for (int lb = 0; lb < 4; ++lb)
+  for (int j = 0; j < 2; ++j)  // logical block 2 q + j
 #pragma unroll
     for (int step = 0; step < 2; ++step) {
       uint32_t lo[4], hi[4];
 #pragma unroll
       for (int b = 0; b < 4; ++b) {
-        const uint4& v = in[b][lb / 2];  // bytes 16 (lb / 2) .. of block b
-        const uint32_t w = lb % 2 ? (step ? v.w : v.z) : (step ? v.y : v.x);
+        const uint4& v = in[b];
+        const uint32_t w = j ? (step ? v.w : v.z) : (step ? v.y : v.x);
         if (kF16) upcast4_f16(w, f[b], lo[b], hi[b]);
         else upcast4(w, f[b], slow[b], lo[b], hi[b]);
       }
-      store(4 * lb + 2 * step, make_uint4(lo[0], lo[1], lo[2], lo[3]),
+      store(8 * q + 4 * j + 2 * step, make_uint4(lo[0], lo[1], lo[2], lo[3]),
             make_uint4(hi[0], hi[1], hi[2], hi[3]));
     }
   return exact;

@@ -76,7 +76,7 @@ static_assert(kBf16TileTokens == 128 && kBf16WideTileTokens == 152 && kBf16Small
 // One stage of the ring, filled by TMA.
 // w: fp8 weight rows, 128-byte swizzle (16-byte chunk c of row r at c ^ (r & 7)), in two TMA boxes
 //    of 128 rows (weight_box_row; stage_row says which row a consumer reads).
-// x: bf16 token rows (the workspace's K order: upcast_stage, mx_bf16.cuh), 128-byte swizzle: the
+// x: bf16 token rows (the workspace's K order, mx_bf16.cuh), 128-byte swizzle: the
 //    K-major layout of wgmma's B descriptor; two halves of K (64 elements, 128 bytes a row) one
 //    after the other.
 template <int kTok>
@@ -277,7 +277,7 @@ __device__ __forceinline__ void fence_acc(float (&a)[M]) {
   for (int i = 0; i < M; ++i) asm volatile("" : "+f"(a[i])::"memory");
 }
 
-// A thread's weight bytes of half a stage (logical blocks 2 bp, 2 bp + 1; see upcast_stage):
+// A thread's weight bytes of half a stage (logical blocks 2 bp, 2 bp + 1; see upcast_half_stage):
 // [gate/up][row g, g + 8], and the factors of its rows' scale bytes of the stage.
 struct RawHalf {
   uint4 v[2][2];
@@ -472,7 +472,11 @@ __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared<kTok>& s
     ring.next();
     if (active) {
       const uint32_t w_base = smem_addr(sh.s[slot].w);
-      const uint64_t b_desc = smem_desc_addr(smem_addr(sh.s[slot].x));
+      // lane 0's (the same on every lane), so that ptxas knows it warp-uniform and keeps the
+      // wgmma descriptors in uniform registers: otherwise it moves each into them (R2UR), 32
+      // instructions a stage on the consumers' path
+      const uint64_t b_desc =
+          smem_desc_addr(__shfl_sync(0xFFFFFFFFu, smem_addr(sh.s[slot].x), 0));
       if (kF16 && ks == 0) wbias = weight_biases<kSwiglu>(sc, cw, row_g);
       StageFactors sf;
       stage_factors<kSwiglu, kF16>(g, sf, sc, sk, cw, row_g, tig, t.e, wbias);

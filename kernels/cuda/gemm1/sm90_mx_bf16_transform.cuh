@@ -1,6 +1,6 @@
 // The 16-bit GEMM's (sm90_mx_bf16_rs.cu) token transform: the producer warpgroup's three
 // transform warps upcast the landed fp8 rows once per call into the workspace (g.xb) in the
-// kernel's K order (mx_bf16.cuh upcast_stage), row tile by row tile across CTAs, and flag each
+// kernel's K order (mx_bf16.cuh upcast_half_stage), row tile by row tile across CTAs, and flag each
 // row tile (g.xb_ready) for every CTA's loader.
 #pragma once
 
@@ -67,49 +67,58 @@ __device__ __forceinline__ void transform_row_tiles(const Gemm1Args& g, const Sc
       transform_barrier();
     }
     const int n = tile.rows * width;  // (row, stage) pairs i = r * width + stage - s0
-    // Lanes t and t ^ 1 (items i and i ^ 1: i0 is even) write each other's halves of a 32-byte
-    // sector in one instruction: a lane's own 16-byte stores each filled half a sector, twice the
-    // L2 write requests (Nsight), 2-3% of the call (docs/PERF.md §3). So every lane runs every
-    // round (the shuffles), and loads only if active.
-    const bool odd = t & 1;
+    // Lanes t and t ^ 1 share items ix = i0 + (t & ~1) and ix + 1, lane q = t & 1 taking bytes
+    // 16 q .. 16 q + 15 of each of their MX blocks (upcast_half_stage): each load instruction then
+    // reads whole 32-byte sectors across the pair, and each store instruction writes them (the
+    // other lane's chunk of a sector passed by a shuffle). A lane's own 16-byte loads or stores of
+    // a whole stage each took half a sector, twice the L2 requests (Nsight; the stores' 2-3% of
+    // the call: docs/PERF.md §3). So every lane runs every round (the shuffles), and loads and
+    // stores only for an item i < n, the same on both lanes of a pair.
+    const int q = t & 1;
     for (int i0 = 0; i0 < n; i0 += kTransformThreads) {
-      const int i = i0 + t;
-      const bool active = i < n, partner_active = (i ^ 1) < n;
-      const int64_t row = tile.row0 + i / width;
-      const int64_t k0 = int64_t(s0 + i % width) * kBf16StageK;  // the stage's first element
-      uint4 in[4][2] = {};
-      uint32_t e[4] = {127u, 127u, 127u, 127u};
-      if (active) {
-        const int64_t from = source(row) * g.H + k0;
-        const uint4* src = reinterpret_cast<const uint4*>(g.a + from);
-        // the stage's four scale bytes in one aligned word (H % 512 == 0, 16-byte aligned scales:
-        // launch.cu), one L2 request where four byte loads took four
-        const uint32_t scales = *reinterpret_cast<const uint32_t*>(g.a_scales + from / kBlock);
+      const int ix = i0 + (t & ~1);
+      uint4 in[2][4] = {};
+      uint32_t scales[2] = {0x7F7F7F7Fu, 0x7F7F7F7Fu};  // an item past n: factor 1, zeros
+      uint4* out[2];
 #pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          in[b][0] = src[2 * b];
-          in[b][1] = src[2 * b + 1];
-          e[b] = (scales >> (8 * b)) & 0xFFu;
+      for (int s = 0; s < 2; ++s) {
+        const int64_t row = tile.row0 + (ix + s) / width;
+        const int64_t k0 = int64_t(s0 + (ix + s) % width) * kBf16StageK;  // its first element
+        out[s] = reinterpret_cast<uint4*>(g.xb + (row * g.H + k0) * 2);
+        if (ix + s < n) {
+          const int64_t from = source(row) * g.H + k0;
+          const uint4* src = reinterpret_cast<const uint4*>(g.a + from);
+          // the stage's four scale bytes in one aligned word (H % 512 == 0, 16-byte aligned
+          // scales: launch.cu), one L2 request where four byte loads took four
+          scales[s] = *reinterpret_cast<const uint32_t*>(g.a_scales + from / kBlock);
+#pragma unroll
+          for (int b = 0; b < 4; ++b) in[s][b] = src[2 * b + q];
         }
       }
-      uint4* own = reinterpret_cast<uint4*>(g.xb + (row * g.H + k0) * 2);
-      const int ip = i ^ 1;
-      uint4* partner = reinterpret_cast<uint4*>(
-          g.xb + ((tile.row0 + ip / width) * g.H + int64_t(s0 + ip % width) * kBf16StageK) * 2);
-      auto store = [&](int c, const uint4& lo, const uint4& hi) {
-        // the even lane sends its hi, the odd one its lo
-        const uint4 sent = odd ? lo : hi;
-        uint4 got;
-        got.x = __shfl_xor_sync(0xFFFFFFFFu, sent.x, 1);
-        got.y = __shfl_xor_sync(0xFFFFFFFFu, sent.y, 1);
-        got.z = __shfl_xor_sync(0xFFFFFFFFu, sent.z, 1);
-        got.w = __shfl_xor_sync(0xFFFFFFFFu, sent.w, 1);
-        // the even lane's sector, then the odd lane's
-        if (odd ? partner_active : active) (odd ? partner : own)[c + odd] = odd ? got : lo;
-        if (odd ? active : partner_active) (odd ? own : partner)[c + odd] = odd ? hi : got;
-      };
-      const bool exact = upcast_stage<kF16>(in, e, kF16 && active ? bias[i / width] : 0, store);
-      if (active && !exact) mark_fallback(g, tile.e);
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        const bool active = ix + s < n;
+        // chunks c, c + 1 of this lane; the pair's sectors (c0, c0 + 1) and (c0 + 8, c0 + 9)
+        auto store = [&](int c, const uint4& lo, const uint4& hi) {
+          const int c0 = c - 8 * q;
+          const uint4 sent = q ? lo : hi;  // lane 0 sends chunk c0 + 1, lane 1 chunk c0 + 8
+          uint4 got;
+          got.x = __shfl_xor_sync(0xFFFFFFFFu, sent.x, 1);
+          got.y = __shfl_xor_sync(0xFFFFFFFFu, sent.y, 1);
+          got.z = __shfl_xor_sync(0xFFFFFFFFu, sent.z, 1);
+          got.w = __shfl_xor_sync(0xFFFFFFFFu, sent.w, 1);
+          if (active) {
+            out[s][c0 + q] = q ? got : lo;
+            out[s][c0 + 8 + q] = q ? hi : got;
+          }
+        };
+        uint32_t e[4];
+#pragma unroll
+        for (int b = 0; b < 4; ++b) e[b] = (scales[s] >> (8 * b)) & 0xFFu;
+        const int row_bias = kF16 && active ? bias[(ix + s) / width] : 0;
+        const bool exact = upcast_half_stage<kF16>(in[s], e, row_bias, q, store);
+        if (active && !exact) mark_fallback(g, tile.e);
+      }
     }
     asm volatile("fence.proxy.async.global;" ::: "memory");  // other CTAs' TMA reads them next
     transform_barrier();
