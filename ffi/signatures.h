@@ -122,7 +122,7 @@ auto gemm1(B b) {
 }
 
 // A stage's binding made by `stage()`, then (kWorkspace) the platform's scratch results after its
-// own (CUDA: jax_sdma_moe/primitives.py _make(cuda_workspace=...)). (A Binding cannot be moved:
+// own (CUDA: jax_sdma_moe/primitives.py _make(gpu_workspace=...)). (A Binding cannot be moved:
 // `stage` makes it in place.)
 template <bool kWorkspace, class Stage>
 auto with_workspace(Stage stage) {
