@@ -153,8 +153,8 @@ __device__ __forceinline__ float pow2(int k) { return __int_as_float((k + 127) <
 // are not all zero: the bytes written are then not the values. An all-zero block (a zero token
 // row's: scale byte 85) is zeros at any scale, so it is exact in f16 (its factor taken as 1, never
 // inf); the NaN scale is never exact.
-// store(c, lo, hi): the 16-byte chunks c and c + 1 of the 256 (a 32-byte sector), c = 8 q + 0, 2,
-// 4, 6.
+// store(c, lo, hi): the 16-byte chunks c and c + 1 of the 256 (a 32-byte sector), c = 8 q + 2 m
+// for m = 0..3.
 template <bool kF16, class Store>
 __device__ __forceinline__ bool upcast_half_stage(const uint4 (&in)[4], const uint32_t (&e)[4],
                                                   int bias, int q, Store&& store) {

@@ -34,15 +34,15 @@ __device__ __forceinline__ void mark_fallback(const Gemm1Args& g, int e) {
   g.fallback[g.EL] = 1;
 }
 
-// The transform warps. Work items: (row tile, quarter of H) in row tile order, CTA b taking items
-// b, b + gridDim.x, ...: an item is upcast once its expert's rows have landed (fused: warp 1 waits,
-// bounded), then counted on its row tile's flag; kChunks counts release the row tile to every
-// CTA's loader. Quarters let 4 CTAs share the first row tiles, which every CTA waits for at the
-// start; each lane pair upcasts two (row, stage) items at a time, a lane half of each of their
-// blocks (the loads of both items in flight together: the loop is latency-bound). The rows come from g.a at their landed row, or in engine
-// local's fused call at their token's row (g.source_rows). kF16: first the windows of the row
-// tile's rows (mx_bf16.cuh), in `bias`; the item of the first quarter keeps their factors for the
-// epilogue (g.row_factor). t: 0..95.
+// The transform warps. Work items: (row tile, quarter of H) in row tile order, CTA b taking
+// items b, b + gridDim.x, ...: an item is upcast once its expert's rows have landed (fused: warp
+// 1 waits, bounded), then counted on its row tile's flag; kChunks counts release the row tile to
+// every CTA's loader. Quarters let 4 CTAs share the first row tiles, which every CTA waits for
+// at the start; each lane pair upcasts two (row, stage) items at a time, a lane half of each of
+// their blocks (the loads of both items in flight together: the loop is latency-bound). The rows
+// come from g.a at their landed row, or in engine local's fused call at their token's row
+// (g.source_rows). kF16: first the windows of the row tile's rows (mx_bf16.cuh), in `bias`; the
+// item of the first quarter keeps their factors for the epilogue (g.row_factor). t: 0..95.
 template <bool kF16, class Scheduler>
 __device__ __forceinline__ void transform_row_tiles(const Gemm1Args& g, const Scheduler& sched,
                                                     int* bias, int t) {
