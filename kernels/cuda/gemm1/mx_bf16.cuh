@@ -137,13 +137,16 @@ __device__ __forceinline__ float pow2(int k) { return __int_as_float((k + 127) <
 
 // The K order of a stage (128 elements: four MX blocks). `wgmma` sums over K in any order, so
 // a stage's K is permuted such that each consumer thread's A fragments come from ONE MX block of
-// its weight rows: thread tig of a quad reads block tig of the stage (32 bytes, two conflict-free
-// 16-byte loads; one scale byte per row and stage). Its fragments of logical block lb (the stage's
-// k 32 lb ..) are bytes 8 lb .. 8 lb + 7 of that block: word 2 lb (k16 step 0) and 2 lb + 1 (step
-// 1), bytes 0-1 of a word at k = 2 tig, 2 tig + 1 of the step and bytes 2-3 at k = 8 + 2 tig,
-// 9 + 2 tig (the mma A fragment layout). The tokens (wgmma's B, K-major in shared memory) take the
-// same order: logical block lb, step s, k 0-7 (q = 0) or 8-15 (q = 1) of a token row holds bytes
-// 0-1 (q = 0) or 2-3 (q = 1) of word 2 lb + s of blocks tig = 0..3.
+// its weight rows: thread tig of a quad reads block tig of the stage (one scale byte per row and
+// stage). Its fragments of logical block lb (the stage's k 32 lb ..) are 8 bytes of that block:
+// those of 8-byte half stage_half(lb, tig) of its 16-byte chunk lb / 2, word 0 of them for k16
+// step 0 and word 1 for step 1, bytes 0-1 of a word at k = 2 tig, 2 tig + 1 of the step and bytes
+// 2-3 at k = 8 + 2 tig, 9 + 2 tig (the mma A fragment layout). The halves alternate with tig so
+// that a block's 8-byte loads are free of bank conflicts (sm90_mx_bf16_rs.cu load_block). The
+// tokens (wgmma's B, K-major in shared memory) take the same order: logical block lb, step s, k
+// 0-7 (q = 0) or 8-15 (q = 1) of a token row holds bytes 0-1 (q = 0) or 2-3 (q = 1) of word s of
+// those 8 bytes of blocks tig = 0..3.
+__device__ __forceinline__ int stage_half(int lb, int tig) { return (lb ^ tig) & 1; }
 //
 // Half q of one stage of a token row -> its 128 bytes of the stage's 256 of bf16 (kF16: f16, in
 // the row's window: bias) in the workspace in that order: in[b], bytes 16 q .. 16 q + 15 of the
@@ -183,7 +186,7 @@ __device__ __forceinline__ bool upcast_half_stage(const uint4 (&in)[4], const ui
 #pragma unroll
       for (int b = 0; b < 4; ++b) {
         const uint4& v = in[b];
-        const uint32_t w = j ? (step ? v.w : v.z) : (step ? v.y : v.x);
+        const uint32_t w = stage_half(2 * q + j, b) ? (step ? v.w : v.z) : (step ? v.y : v.x);
         if (kF16) upcast4_f16(w, f[b], lo[b], hi[b]);
         else upcast4(w, f[b], slow[b], lo[b], hi[b]);
       }

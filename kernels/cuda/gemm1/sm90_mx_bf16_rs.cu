@@ -277,36 +277,40 @@ __device__ __forceinline__ void fence_acc(float (&a)[M]) {
   for (int i = 0; i < M; ++i) asm volatile("" : "+f"(a[i])::"memory");
 }
 
-// A thread's weight bytes of half a stage (logical blocks 2 bp, 2 bp + 1; see upcast_half_stage):
-// [gate/up][row g, g + 8], and the factors of its rows' scale bytes of the stage.
-struct RawHalf {
-  uint4 v[2][2];
+// A thread's weight bytes of one logical block (mx_bf16.cuh, a stage's K order): [gate/up][row g,
+// g + 8], the words of its k16 steps 0 and 1; and the factors of its rows' scale bytes of the
+// stage.
+struct RawBlock {
+  uint2 v[2][2];
 };
 struct StageFactors {
   uint32_t f[2][2];
   bool slow;  // per warp: the two-step multiply (fast_scale)
 };
 
-// Rows row_g = warp * 16 + g and row_g + 8 of the warpgroup's gate and up halves: their block tig
-// of the stage, 16 bytes at a time (chunk 2 tig + bp: the 8 rows of a quarter warp's two row
-// groups land on 8 distinct chunks of the 128-byte swizzle, so no bank conflicts). The four rows
-// are row_g's plus multiples of 8, so they share the swizzled chunk: one address, and the others
-// at constant offsets.
+// Rows row_g = warp * 16 + g and row_g + 8 of the warpgroup's gate and up halves: logical block lb
+// of the stage, 8 bytes of their block tig (chunk 2 tig + lb / 2 of the 128-byte swizzle, the half
+// stage_half(lb, tig): a half warp's 16 lanes, rows g = 0..3 or 4..7, land on 16 distinct 8-byte
+// slots of the 128 bytes, so no bank conflicts). One block at a time, so that blocks 2 and 3 are
+// loaded a whole block before their upcast (16-byte loads of two blocks, issued just before the
+// first one's upcast, held the wgmma issue on shared memory busy with the tensor cores' reads).
+// The four rows are row_g's plus multiples of 8, so they share the swizzled chunk: one address,
+// and the others at constant offsets.
 template <bool kSwiglu>
-__device__ __forceinline__ void load_half(RawHalf& raw, uint32_t w_base, int cw, int row_g,
-                                          int tig, int bp) {
+__device__ __forceinline__ void load_block(RawBlock& raw, uint32_t w_base, int cw, int row_g,
+                                           int tig, int lb) {
   static_assert(WBOX % 8 == 0 && 64 % 8 == 0, "stage_row keeps a row's swizzle phase (r & 7)");
-  const uint32_t base =
-      w_base + stage_row<kSwiglu>(cw, 0, row_g) * KS + (((2 * tig + bp) ^ (row_g & 7)) << 4);
+  const uint32_t base = w_base + stage_row<kSwiglu>(cw, 0, row_g) * KS +
+                        (((2 * tig + lb / 2) ^ (row_g & 7)) << 4) + 8 * stage_half(lb, tig);
 #pragma unroll
   for (int part = 0; part < 2; ++part)
 #pragma unroll
     for (int h = 0; h < 2; ++h)
-      raw.v[part][h] = lds128(base + (stage_row<kSwiglu>(0, part, 8 * h) -
-                                      stage_row<kSwiglu>(0, 0, 0)) * KS);
+      raw.v[part][h] = lds64(base + (stage_row<kSwiglu>(0, part, 8 * h) -
+                                     stage_row<kSwiglu>(0, 0, 0)) * KS);
 }
 
-// The window biases (mx_bf16.cuh) of the thread's rows [part][h] (see load_half), + kMaxBias, a
+// The window biases (mx_bf16.cuh) of the thread's rows [part][h] (see load_block), + kMaxBias, a
 // byte each (packed_bias): each placed by the largest scale of the row's first 16 blocks, the
 // tile's first scale super-stage.
 template <bool kSwiglu>
@@ -331,12 +335,11 @@ __device__ __forceinline__ int packed_bias(uint32_t packed, int part, int h) {
 // The factors of the rows' scale bytes of the stage (sk: the stage's first in the super-stage
 // `sc`). The two-step multiply is chosen per warp: both forms give the same bf16 wherever the
 // one-step form applies, so a warp's choice does not change the result. kF16: f16 factors in the
-// rows' windows (wbias: weight_biases), and `slow` a scale outside its window, which marks expert
-// `expert` (the bf16 pass redoes it).
+// rows' windows (wbias: weight_biases), and `slow` a scale outside its window, for which the
+// caller marks the tile's expert (the bf16 pass redoes it).
 template <bool kSwiglu, bool kF16>
-__device__ __forceinline__ void stage_factors(const Gemm1Args& g, StageFactors& sf,
-                                              const ScaleStage& sc, int sk, int cw, int row_g,
-                                              int tig, int expert, uint32_t wbias) {
+__device__ __forceinline__ void stage_factors(StageFactors& sf, const ScaleStage& sc, int sk,
+                                              int cw, int row_g, int tig, uint32_t wbias) {
   uint32_t e[2][2];
   bool slow = false;
 #pragma unroll
@@ -348,7 +351,6 @@ __device__ __forceinline__ void stage_factors(const Gemm1Args& g, StageFactors& 
       slow |= kF16 ? !f16_scale(e[part][h]) : !fast_scale(e[part][h]);
     }
   sf.slow = __any_sync(0xFFFFFFFFu, slow);
-  if (kF16 && sf.slow) mark_fallback(g, expert);
 #pragma unroll
   for (int part = 0; part < 2; ++part)
 #pragma unroll
@@ -356,22 +358,22 @@ __device__ __forceinline__ void stage_factors(const Gemm1Args& g, StageFactors& 
       sf.f[part][h] = kF16 ? factor_f16x2(e[part][h]) : factor_bf16x2(e[part][h], sf.slow);
 }
 
-// Logical block lb's fragments (j = lb % 2: its half of raw's 16 bytes per row).
+// A logical block's fragments.
 template <bool kSlow, bool kF16>
-__device__ __forceinline__ void upcast_frags(Frags& f, const RawHalf& raw, const StageFactors& sf,
-                                             int j) {
+__device__ __forceinline__ void upcast_frags(Frags& f, const RawBlock& raw,
+                                             const StageFactors& sf) {
 #pragma unroll
   for (int part = 0; part < 2; ++part) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const uint4& v = raw.v[part][h];
+      const uint2& v = raw.v[part][h];
       // A registers: 0 = (row g, k 2tig..), 1 = (row g+8, k 2tig..), 2 = (row g, k 8+2tig..), 3
       if (kF16) {
-        upcast4_f16(j ? v.z : v.x, sf.f[part][h], f.r[part][0][h], f.r[part][0][2 + h]);
-        upcast4_f16(j ? v.w : v.y, sf.f[part][h], f.r[part][1][h], f.r[part][1][2 + h]);
+        upcast4_f16(v.x, sf.f[part][h], f.r[part][0][h], f.r[part][0][2 + h]);
+        upcast4_f16(v.y, sf.f[part][h], f.r[part][1][h], f.r[part][1][2 + h]);
       } else {
-        upcast4(j ? v.z : v.x, sf.f[part][h], kSlow, f.r[part][0][h], f.r[part][0][2 + h]);
-        upcast4(j ? v.w : v.y, sf.f[part][h], kSlow, f.r[part][1][h], f.r[part][1][2 + h]);
+        upcast4(v.x, sf.f[part][h], kSlow, f.r[part][0][h], f.r[part][0][2 + h]);
+        upcast4(v.y, sf.f[part][h], kSlow, f.r[part][1][h], f.r[part][1][2 + h]);
       }
     }
   }
@@ -454,6 +456,9 @@ __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared<kTok>& s
   const int row_g = warp * 16 + lane / 4, tig = lane % 4;
   const bool active = t.n0 + cw * kWgCols<kSwiglu> < g.I;
   uint32_t wbias = 0;  // kF16: weight_biases, at the tile's first stage
+  // kF16: a stage met a scale outside its row's window. The expert is marked once, after the
+  // loop: a mark in the loop cost every stage its predicated global stores' waits.
+  bool tile_slow = false;
 #pragma unroll
   for (int i = 0; i < kTok / 2; ++i) gate[i] = up[i] = 0.0f;
   // per warp: every lane is done with it
@@ -467,24 +472,27 @@ __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared<kTok>& s
     const ScaleStage& sc = sh.scales[u % 2];
     // the ring slot and phase of stage `consumed`, and the slot before it
     const int slot = ring.slot, before = ring.previous_slot();
+    // lane 0's (the same on every lane), so that ptxas knows it warp-uniform and keeps the
+    // wgmma descriptors in uniform registers: otherwise it moves each into them (R2UR), 32
+    // instructions a stage on the consumers' path. Before the waits, which hide the shuffle's
+    // latency (right before its use it held the stage's first wgmma).
+    const uint32_t x_addr = __shfl_sync(0xFFFFFFFFu, smem_addr(sh.s[slot].x), 0);
     if (sk == 0) mbar_wait(&sh.scales_loaded[u % 2], (u / 2) & 1);
     mbar_wait(&sh.loaded[slot], ring.phase);
     ring.next();
     if (active) {
       const uint32_t w_base = smem_addr(sh.s[slot].w);
-      // lane 0's (the same on every lane), so that ptxas knows it warp-uniform and keeps the
-      // wgmma descriptors in uniform registers: otherwise it moves each into them (R2UR), 32
-      // instructions a stage on the consumers' path
-      const uint64_t b_desc =
-          smem_desc_addr(__shfl_sync(0xFFFFFFFFu, smem_addr(sh.s[slot].x), 0));
+      const uint64_t b_desc = smem_desc_addr(x_addr);
       if (kF16 && ks == 0) wbias = weight_biases<kSwiglu>(sc, cw, row_g);
       StageFactors sf;
-      stage_factors<kSwiglu, kF16>(g, sf, sc, sk, cw, row_g, tig, t.e, wbias);
-      RawHalf raw;
+      stage_factors<kSwiglu, kF16>(sf, sc, sk, cw, row_g, tig, wbias);
+      tile_slow |= sf.slow;
+      RawBlock raw[2];  // blocks blk and blk + 1, the next one's loaded a block ahead
+      load_block<kSwiglu>(raw[0], w_base, cw, row_g, tig, 0);
+      load_block<kSwiglu>(raw[1], w_base, cw, row_g, tig, 1);
 #pragma unroll
       for (int blk = 0; blk < NB; ++blk) {
         Frags& f = blk % 2 ? f1 : f0;
-        if (blk % 2 == 0) load_half<kSwiglu>(raw, w_base, cw, row_g, tig, blk / 2);
         wgmma_wait<1>();  // the block before the previous one has retired: f is free
         fence_frags(f);
         // at block 1: the previous stage has retired, its slot is free
@@ -492,15 +500,17 @@ __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared<kTok>& s
         // kF16: both branches run the same upcast (its result is redone in bf16 where slow):
         // with one path, ptxas serialises the wgmma (C7513: non-wgmma instructions defining
         // their input registers)
-        if (sf.slow) upcast_frags<true, kF16>(f, raw, sf, blk % 2);
-        else upcast_frags<false, kF16>(f, raw, sf, blk % 2);
+        if (sf.slow) upcast_frags<true, kF16>(f, raw[blk % 2], sf);
+        else upcast_frags<false, kF16>(f, raw[blk % 2], sf);
         issue_block<kTok, kF16>(gate, up, f, b_desc, blk);
+        if (blk + 2 < NB) load_block<kSwiglu>(raw[blk % 2], w_base, cw, row_g, tig, blk + 2);
       }
     } else if (ks > 0) {
       release(&sh.empty[before]);
     }
     if (sk == NB * (kScaleStages - 1)) release(&sh.scales_empty[u % 2]);
   }
+  if (kF16 && tile_slow) mark_fallback(g, t.e);
   wgmma_wait<0>();
   fence_frags(f0);
   fence_frags(f1);
