@@ -147,7 +147,7 @@ __device__ __forceinline__ float pow2(int k) { return __int_as_float((k + 127) <
 // 0-7 (q = 0) or 8-15 (q = 1) of a token row holds bytes 0-1 (q = 0) or 2-3 (q = 1) of word s of
 // those 8 bytes of blocks tig = 0..3.
 __device__ __forceinline__ int stage_half(int lb, int tig) { return (lb ^ tig) & 1; }
-//
+
 // Half q of one stage of a token row -> its 128 bytes of the stage's 256 of bf16 (kF16: f16, in
 // the row's window: bias) in the workspace in that order: in[b], bytes 16 q .. 16 q + 15 of the
 // stage's MX block b (32 fp8 values; scale byte e[b]), are logical blocks 2 q and 2 q + 1, so one

@@ -487,7 +487,8 @@ __device__ __forceinline__ void consume_tile(const Gemm1Args& g, Shared<kTok>& s
       StageFactors sf;
       stage_factors<kSwiglu, kF16>(sf, sc, sk, cw, row_g, tig, wbias);
       tile_slow |= sf.slow;
-      RawBlock raw[2];  // blocks blk and blk + 1, the next one's loaded a block ahead
+      // raw[b % 2]: block b's bytes; blocks 2 and 3 loaded as soon as 0 and 1 are upcast
+      RawBlock raw[2];
       load_block<kSwiglu>(raw[0], w_base, cw, row_g, tig, 0);
       load_block<kSwiglu>(raw[1], w_base, cw, row_g, tig, 1);
 #pragma unroll
