@@ -33,18 +33,27 @@ using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t
                                    const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
                                    CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 
+// A TMA box's parts: `box` of the `count` copies of the tensor `stride` bytes apart (a third
+// dimension), landing one after the other in shared memory: one TMA instruction where there were
+// `box` (the default: one part, a 2D map).
+struct BoxParts {
+  int64_t count = 1, stride = 0;
+  uint32_t box = 1;
+};
+
 // A TMA map of a row-major byte matrix [rows, cols]: boxes of box_rows x box_bytes (128: 128-byte
 // swizzle, the K-major layout wgmma reads; 64: 64-byte swizzle; 16: none), zeros outside.
 std::string tensor_map(CUtensorMap* map, const void* base, int64_t cols, int64_t rows,
-                       uint32_t box_rows, uint32_t box_bytes = 128) {
+                       uint32_t box_rows, uint32_t box_bytes = 128, BoxParts parts = {}) {
   static EncodeTiledFn encode = driver_function<EncodeTiledFn>("cuTensorMapEncodeTiled");
   if (!encode) return "jax_sdma_moe gemm1: no cuTensorMapEncodeTiled";
-  const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
-  const cuuint64_t strides[1] = {cuuint64_t(cols)};
-  const cuuint32_t box[2] = {box_bytes, box_rows};
-  const cuuint32_t elem[2] = {1, 1};
-  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims,
-                            strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+  const cuuint32_t rank = parts.count > 1 ? 3 : 2;
+  const cuuint64_t dims[3] = {cuuint64_t(cols), cuuint64_t(rows), cuuint64_t(parts.count)};
+  const cuuint64_t strides[2] = {cuuint64_t(cols), cuuint64_t(parts.stride)};
+  const cuuint32_t box[3] = {box_bytes, box_rows, parts.box};
+  const cuuint32_t elem[3] = {1, 1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, rank, const_cast<void*>(base),
+                            dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
                             box_bytes == 128  ? CU_TENSOR_MAP_SWIZZLE_128B
                             : box_bytes == 64 ? CU_TENSOR_MAP_SWIZZLE_64B
                                               : CU_TENSOR_MAP_SWIZZLE_NONE,
@@ -78,9 +87,17 @@ std::string launch_bf16_route(Gemm1Args g, int64_t weight_rows, int grid,
   g.row_factor = reinterpret_cast<float*>(g.fallback + g.EL + 1);
   g.head_ready = flags;  // the first launch's region (the tail launch's borrowed units)
   Bf16RsMaps maps;
-  std::string err = tensor_map(&maps.w, g.w, g.H, weight_rows, kBf16WeightBoxRows, kBf16StageK);
+  // A tile's weight rows (and their scales) in one TMA box a stage: GEMM1's gate and up rows, I
+  // rows apart, as two parts (rows up to EL * 2I - I: a part-1 row stays in the tensor); GEMM2's
+  // 256 rows in a row.
+  const int64_t sb = g.H / kBlock;
+  const int64_t rows = swiglu ? weight_rows - g.I : weight_rows;
+  const uint32_t box_rows = swiglu ? kBf16WeightBoxRows : 2 * kBf16WeightBoxRows;
+  std::string err = tensor_map(&maps.w, g.w, g.H, rows, box_rows, kBf16StageK,
+                               swiglu ? BoxParts{2, g.I * g.H, 2} : BoxParts{});
   if (err.empty())
-    err = tensor_map(&maps.w_scales, g.w_scales, g.H / kBlock, weight_rows, kBf16WeightBoxRows, 16);
+    err = tensor_map(&maps.w_scales, g.w_scales, sb, rows, box_rows, 16,
+                     swiglu ? BoxParts{2, g.I * sb, 2} : BoxParts{});
   if (!err.empty()) return err;
   // The large tile leaves each expert's short tail to a launch of its own (args.h RowPart): as a
   // 128-token tile a tail costs what a full one does (the weights' loads and upcasts are per
@@ -113,7 +130,9 @@ std::string launch_bf16_route(Gemm1Args g, int64_t weight_rows, int grid,
     g.xb_ready = flags + i * region, g.xb_ready_count = region;
     // the rows' map: boxes of the launch's tile width (the one before's where it is the same)
     if (i == 0 || part.tokens != parts[i - 1].tokens)
-      err = tensor_map(&maps.xb, g.xb, 2 * g.H, g.m_cap, part.tokens, 128);
+      // and a stage's two K halves (128 bytes each) in one box: parts 128 bytes apart
+      err = tensor_map(&maps.xb, g.xb, 2 * g.H, g.m_cap, part.tokens, 128,
+                       BoxParts{2 * g.H / 128, 128, 2});
     if (err.empty())
       launch_sm90_mx_bf16_rs(g, maps, grid, stream, swiglu, part.tokens, part.f16, i > 0);
   }

@@ -51,10 +51,10 @@ namespace sm90_bf16 {
 constexpr int COLS = kBf16TileCols;   // output columns per tile: 64 per consumer warpgroup
 constexpr int WROWS = 2 * COLS;       // weight rows per tile
 // K per stage: four MX blocks (NB), one 128-byte fp8 row. Whole 128-byte rows and few large TMA
-// boxes per stage (2 token + 2 weight boxes) because the loads are bound by TMA requests, not
-// bytes (docs/PERF.md §3).
+// boxes per stage (one of token rows, one of weight rows: launch.cu BoxParts) because the loads
+// are bound by TMA requests, not bytes (docs/PERF.md §3).
 constexpr int KS = kBf16StageK, NB = KS / kBlock;
-constexpr int WBOX = kBf16WeightBoxRows;  // weight rows per TMA box: a tile's gate or up rows
+constexpr int WBOX = kBf16WeightBoxRows;  // weight rows per box part: a tile's gate or up rows
 // Stages of the ring: 3 of the large tile's 64 KB (the wide tile's 70); 4 of the small tile's 40
 // KB (what fits).
 template <int kTok>
@@ -74,8 +74,8 @@ static_assert(kBf16TileTokens == 128 && kBf16WideTileTokens == 152 && kBf16Small
               "the wgmma shapes below");
 
 // One stage of the ring, filled by TMA.
-// w: fp8 weight rows, 128-byte swizzle (16-byte chunk c of row r at c ^ (r & 7)), in two TMA boxes
-//    of 128 rows (weight_box_row; stage_row says which row a consumer reads).
+// w: fp8 weight rows, 128-byte swizzle (16-byte chunk c of row r at c ^ (r & 7)), one TMA box of
+//    256 rows, GEMM1's in two parts (tile_weight_row; stage_row says which row a consumer reads).
 // x: bf16 token rows (the workspace's K order, mx_bf16.cuh), 128-byte swizzle: the
 //    K-major layout of wgmma's B descriptor; two halves of K (64 elements, 128 bytes a row) one
 //    after the other.
@@ -138,13 +138,11 @@ constexpr int kWgCols = kSwiglu ? 64 : 128;
 template <bool kSwiglu, int kTok>
 using SchedulerFor = TileSchedulerFor<kTok, 2 * kWgCols<kSwiglu>>;
 
-// The first w1/w2 row of TMA box i of tile t (WBOX rows, landing at Stage::w row WBOX i): GEMM1 the
-// gate rows (i = 0) or the up rows (i = 1) of the tile's 128 columns; GEMM2 its first or second
-// 128 columns.
+// The first w1/w2 row of tile t's TMA box: GEMM1 its 128 columns' gate rows (part 0; their up rows,
+// I rows on, are part 1, landing at Stage::w row WBOX); GEMM2 its 256 columns' rows.
 template <bool kSwiglu>
-__device__ __forceinline__ int weight_box_row(const Gemm1Args& g, const Tile& t, int i) {
-  if (kSwiglu) return int(int64_t(t.e) * 2 * g.I + t.n0) + i * int(g.I);
-  return int(int64_t(t.e) * g.I + t.n0) + i * WBOX;
+__device__ __forceinline__ int tile_weight_row(const Gemm1Args& g, const Tile& t) {
+  return int(int64_t(t.e) * (kSwiglu ? 2 : 1) * g.I + t.n0);
 }
 // The Stage::w row of row `row` of consumer warpgroup cw's part (GEMM1: gate/up of its 64 columns;
 // GEMM2: its first/second 64 columns).
@@ -174,7 +172,12 @@ __device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared<kTok>& sh
                                             const CUtensorMap* map_ws, int lane) {
   const int total = sched.total(g), num_k = int(g.H / KS);
   constexpr int STAGES = kStages<kTok>;
-  constexpr int w_boxes = WROWS / WBOX;
+  // a tile's weight rows (or their scales) in one TMA box: GEMM1's two parts, GEMM2's 256 rows
+  auto load_weight_box = [&](void* dst, const CUtensorMap* map, uint64_t* b, int x,
+                             const Tile& t) {
+    if constexpr (kSwiglu) tma_load_3d(dst, map, b, x, tile_weight_row<kSwiglu>(g, t), 0);
+    else tma_load_2d(dst, map, b, x, tile_weight_row<kSwiglu>(g, t));
+  };
   // scale super-stage u (of the CTA's, counted as `issued` counts stages): tile t's k super-stage s
   auto load_scales = [&](uint32_t u, const Tile& t, int s) {
     ScaleStage& SS = sh.scales[u % 2];
@@ -182,9 +185,7 @@ __device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared<kTok>& sh
     mbar_wait(&sh.scales_empty[u % 2], ((u / 2) & 1) ^ 1);
     if (lane == 0) {
       mbar_arrive_expect_tx(sbar, uint32_t(sizeof(SS.w)));
-      for (int i = 0; i < w_boxes; ++i)
-        tma_load_2d(SS.w[i * WBOX], map_ws, sbar, s * kScaleBytes,
-                    weight_box_row<kSwiglu>(g, t, i));
+      load_weight_box(SS.w[0], map_ws, sbar, s * kScaleBytes, t);
     }
   };
   uint32_t issued = 0;
@@ -205,9 +206,9 @@ __device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared<kTok>& sh
       asm volatile("fence.proxy.async.global;" ::: "memory");  // TMA reads what was acquired
     }
     __syncwarp();
-    // one box of the tile's kTok token rows per 64-element K half, two of WBOX weight rows: rows
-    // past the tile's (the next tile's or expert's, or zeros past the tensor) are loaded and not
-    // used, which costs less than more, smaller boxes
+    // a stage: one box of the tile's kTok token rows (its two 64-element K halves as parts), one
+    // of its weight rows: rows past the tile's (the next tile's or expert's, or zeros past the
+    // tensor) are loaded and not used, which costs less than more, smaller boxes
     for (int ks = 0; ks < num_k; ++ks, ++issued) {
       Stage<kTok>& S = sh.s[issued % STAGES];
       uint64_t* bar = &sh.loaded[issued % STAGES];
@@ -230,10 +231,8 @@ __device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared<kTok>& sh
       }
       if (lane == 0) {
         mbar_arrive_expect_tx(bar, uint32_t(sizeof(S.x) + sizeof(S.w)));
-        for (int half = 0; half < 2; ++half)
-          tma_load_2d(S.x + half * kTok * KS, map_xb, bar, ks * 2 * KS + half * KS, int(t.row0));
-        for (int i = 0; i < w_boxes; ++i)
-          tma_load_2d(S.w + i * WBOX * KS, map_w, bar, ks * KS, weight_box_row<kSwiglu>(g, t, i));
+        tma_load_3d(S.x, map_xb, bar, 0, int(t.row0), 2 * ks);
+        load_weight_box(S.w, map_w, bar, ks * KS, t);
       }
     }
   }
