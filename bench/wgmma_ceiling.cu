@@ -1,7 +1,8 @@
 // What the tensor pipe of one H200 gives each wgmma form of gemm1's consumers, with no loads:
 // every SM runs two consumer warpgroups over a fixed stage in shared memory (bf16 token rows, fp8
 // weight rows), as sm90_mx_bf16_rs's consume_tile does (one wgmma group in flight while the next
-// MX block's fragments are made), minus the TMA ring, its barriers and the epilogue. Forms:
+// MX block's fragments are made; each block's weight bytes loaded, 8 bytes a row, two blocks
+// ahead of its upcast), minus the TMA ring, its barriers and the epilogue. Forms:
 //   rs128x2      gate and up rows (A from registers) x 128 tokens: two m64n128k16 per k16 step
 //   rs256        64 rows (32 gate + 32 up) x 256 tokens: one m64n256k16 per k16 step
 //   ss128x2, ss256  the same with A from shared memory (cuBLAS's form; the bf16 ceiling)
@@ -19,7 +20,7 @@
 #include <cstring>
 
 #include "kernels/cuda/gemm1/mx_bf16.cuh"  // upcast4, factor_bf16x2: the GEMM's own
-#include "kernels/cuda/gemm1/sm90.cuh"     // wgmma_*, lds128, smem_desc_addr
+#include "kernels/cuda/gemm1/sm90.cuh"     // wgmma_*, lds64, smem_desc_addr
 
 using namespace jsm::cuda::gemm1;
 using sm90_bf16::upcast4;
@@ -115,17 +116,23 @@ __global__ void __launch_bounds__(kThreads, 1) run(int stages, float* sink) {
   const uint32_t e = 126 + (*reinterpret_cast<volatile const uint8_t*>(sh.x) & 1);
   const uint32_t factor = kF16 ? sm90_bf16::factor_f16x2(e) : sm90_bf16::factor_bf16x2(e, false);
   const uint64_t b_desc = smem_desc_addr(smem_addr(sh.x));
-  const uint32_t w_base = smem_addr(sh.w[cw]) + row_g * KS + (((2 * tig) ^ (row_g & 7)) << 4);
-  uint4 rv[2][2];
+  const uint32_t w_base = smem_addr(sh.w[cw]) + row_g * KS;
+  // block lb's 8 bytes of rows row_g + 64 p + 8 h, as load_block reads them (the swizzled chunk
+  // 2 tig + lb / 2, its half stage_half)
+  auto load = [&](uint2 (&v)[2][2], int lb) {
+    const uint32_t a = w_base + (((2 * tig + lb / 2) ^ (row_g & 7)) << 4) +
+                       8 * sm90_bf16::stage_half(lb, tig);
+#pragma unroll
+    for (int p = 0; p < 2; ++p)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) v[p][h] = lds64(a + (p * 64 + 8 * h) * KS);
+  };
+  uint2 rv[2][2][2];  // [block % 2][part][h]
   for (int s = 0; s < stages; ++s) {
+    if (kUpcast) load(rv[0], 0), load(rv[1], 1);
 #pragma unroll
     for (int blk = 0; blk < 4; ++blk) {
       uint32_t (&fr)[2][2][4] = f[blk % 2];
-      if (kUpcast && blk % 2 == 0)
-#pragma unroll
-        for (int p = 0; p < 2; ++p)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) rv[p][h] = lds128(w_base + (p * 64 + 8 * h) * KS + blk * 8);
       wgmma_wait<1>();
       pin(fr);
       if (kUpcast)
@@ -133,13 +140,13 @@ __global__ void __launch_bounds__(kThreads, 1) run(int stages, float* sink) {
         for (int p = 0; p < kParts; ++p)
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            const uint4& v = rv[p][h];
+            const uint2& v = rv[blk % 2][p][h];
             if constexpr (kF16) {
-              upcast4_f16(blk % 2 ? v.z : v.x, factor, fr[p][0][h], fr[p][0][2 + h]);
-              upcast4_f16(blk % 2 ? v.w : v.y, factor, fr[p][1][h], fr[p][1][2 + h]);
+              upcast4_f16(v.x, factor, fr[p][0][h], fr[p][0][2 + h]);
+              upcast4_f16(v.y, factor, fr[p][1][h], fr[p][1][2 + h]);
             } else {
-              upcast4(blk % 2 ? v.z : v.x, factor, false, fr[p][0][h], fr[p][0][2 + h]);
-              upcast4(blk % 2 ? v.w : v.y, factor, false, fr[p][1][h], fr[p][1][2 + h]);
+              upcast4(v.x, factor, false, fr[p][0][h], fr[p][0][2 + h]);
+              upcast4(v.y, factor, false, fr[p][1][h], fr[p][1][2 + h]);
             }
           }
       pin(fr);
@@ -160,6 +167,7 @@ __global__ void __launch_bounds__(kThreads, 1) run(int stages, float* sink) {
       wgmma_commit();
       pin(acc0);
       pin(acc1);
+      if (kUpcast && blk + 2 < 4) load(rv[blk % 2], blk + 2);
     }
   }
   wgmma_wait<0>();

@@ -43,18 +43,10 @@ __device__ __forceinline__ uint64_t smem_desc_addr(uint32_t addr) {
 
 __device__ __forceinline__ uint64_t smem_desc(const void* p) { return smem_desc_addr(smem_addr(p)); }
 
-// Shared-memory loads by 32-bit shared address.
+// A shared-memory load by 32-bit shared address.
 __device__ __forceinline__ uint2 lds64(uint32_t addr) {
   uint2 v;
   asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
-  return v;
-}
-__device__ __forceinline__ uint4 lds128(uint32_t addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(addr)
-               : "memory");
   return v;
 }
 
