@@ -29,8 +29,9 @@ void launch_sm90_tma_ws(const Gemm1Args& g, const CUtensorMap& map_a0, const CUt
 struct Bf16RsMaps {
   CUtensorMap xb;        // the workspace's bf16 rows [m_cap, 2H bytes]: boxes of tile_tokens rows x
                          // two 128 B parts (a stage's K halves), 128-byte swizzle
-  CUtensorMap w;         // w1 [EL * 2I, H]: boxes of 256 rows x kBf16StageK B (GEMM1: two parts of
-                         // kBf16WeightBoxRows, gate and up rows), 128-byte swizzle
+  CUtensorMap w;         // w1 [EL * 2I, H]: boxes of two parts of kBf16WeightBoxRows rows x
+                         // kBf16StageK B (GEMM1: gate and up rows; GEMM2: a tile's 256 rows),
+                         // 128-byte swizzle
   CUtensorMap w_scales;  // [EL * 2I, H / 32]: the same boxes' rows x 16 B
 };
 // kBf16StageK: K per stage of the ring, one 128-byte fp8 row of a weight box.

@@ -87,17 +87,18 @@ std::string launch_bf16_route(Gemm1Args g, int64_t weight_rows, int grid,
   g.row_factor = reinterpret_cast<float*>(g.fallback + g.EL + 1);
   g.head_ready = flags;  // the first launch's region (the tail launch's borrowed units)
   Bf16RsMaps maps;
-  // A tile's weight rows (and their scales) in one TMA box a stage: GEMM1's gate and up rows, I
-  // rows apart, as two parts (rows up to EL * 2I - I: a part-1 row stays in the tensor); GEMM2's
-  // 256 rows in a row.
+  // A tile's weight rows (and their scales) in one TMA box a stage, two parts of
+  // kBf16WeightBoxRows rows part_rows apart: GEMM1's gate and up rows (I apart), GEMM2's 256 rows
+  // (128 apart). The map's rows end part_rows before the tensor's, so a part-1 row stays in it; a
+  // tile's part-0 rows end there too (GEMM1: gate rows; GEMM2: launch_gemm2 needs I % 256 == 0).
   const int64_t sb = g.H / kBlock;
-  const int64_t rows = swiglu ? weight_rows - g.I : weight_rows;
-  const uint32_t box_rows = swiglu ? kBf16WeightBoxRows : 2 * kBf16WeightBoxRows;
-  std::string err = tensor_map(&maps.w, g.w, g.H, rows, box_rows, kBf16StageK,
-                               swiglu ? BoxParts{2, g.I * g.H, 2} : BoxParts{});
+  const int64_t part_rows = swiglu ? g.I : kBf16WeightBoxRows;
+  const int64_t rows = weight_rows - part_rows;
+  std::string err = tensor_map(&maps.w, g.w, g.H, rows, kBf16WeightBoxRows, kBf16StageK,
+                               BoxParts{2, part_rows * g.H, 2});
   if (err.empty())
-    err = tensor_map(&maps.w_scales, g.w_scales, sb, rows, box_rows, 16,
-                     swiglu ? BoxParts{2, g.I * sb, 2} : BoxParts{});
+    err = tensor_map(&maps.w_scales, g.w_scales, sb, rows, kBf16WeightBoxRows, 16,
+                     BoxParts{2, part_rows * sb, 2});
   if (!err.empty()) return err;
   // The large tile leaves each expert's short tail to a launch of its own (args.h RowPart): as a
   // 128-token tile a tail costs what a full one does (the weights' loads and upcasts are per

@@ -75,7 +75,7 @@ static_assert(kBf16TileTokens == 128 && kBf16WideTileTokens == 152 && kBf16Small
 
 // One stage of the ring, filled by TMA.
 // w: fp8 weight rows, 128-byte swizzle (16-byte chunk c of row r at c ^ (r & 7)), one TMA box of
-//    256 rows, GEMM1's in two parts (tile_weight_row; stage_row says which row a consumer reads).
+//    256 rows in two parts (tile_weight_row; stage_row says which row a consumer reads).
 // x: bf16 token rows (the workspace's K order, mx_bf16.cuh), 128-byte swizzle: the
 //    K-major layout of wgmma's B descriptor; two halves of K (64 elements, 128 bytes a row) one
 //    after the other.
@@ -139,7 +139,8 @@ template <bool kSwiglu, int kTok>
 using SchedulerFor = TileSchedulerFor<kTok, 2 * kWgCols<kSwiglu>>;
 
 // The first w1/w2 row of tile t's TMA box: GEMM1 its 128 columns' gate rows (part 0; their up rows,
-// I rows on, are part 1, landing at Stage::w row WBOX); GEMM2 its 256 columns' rows.
+// I rows on, are part 1, landing at Stage::w row WBOX); GEMM2 its 256 columns' rows (part 1 the
+// second 128).
 template <bool kSwiglu>
 __device__ __forceinline__ int tile_weight_row(const Gemm1Args& g, const Tile& t) {
   return int(int64_t(t.e) * (kSwiglu ? 2 : 1) * g.I + t.n0);
@@ -172,11 +173,10 @@ __device__ __forceinline__ void load_stages(const Gemm1Args& g, Shared<kTok>& sh
                                             const CUtensorMap* map_ws, int lane) {
   const int total = sched.total(g), num_k = int(g.H / KS);
   constexpr int STAGES = kStages<kTok>;
-  // a tile's weight rows (or their scales) in one TMA box: GEMM1's two parts, GEMM2's 256 rows
+  // a tile's weight rows (or their scales) in one TMA box of two parts (launch_bf16_route)
   auto load_weight_box = [&](void* dst, const CUtensorMap* map, uint64_t* b, int x,
                              const Tile& t) {
-    if constexpr (kSwiglu) tma_load_3d(dst, map, b, x, tile_weight_row<kSwiglu>(g, t), 0);
-    else tma_load_2d(dst, map, b, x, tile_weight_row<kSwiglu>(g, t));
+    tma_load_3d(dst, map, b, x, tile_weight_row<kSwiglu>(g, t), 0);
   };
   // scale super-stage u (of the CTA's, counted as `issued` counts stages): tile t's k super-stage s
   auto load_scales = [&](uint32_t u, const Tile& t, int s) {
