@@ -89,8 +89,12 @@ std::string launch_bf16_route(Gemm1Args g, int64_t weight_rows, int grid,
   Bf16RsMaps maps;
   // A tile's weight rows (and their scales) in one TMA box a stage, two parts of
   // kBf16WeightBoxRows rows part_rows apart: GEMM1's gate and up rows (I apart), GEMM2's 256 rows
-  // (128 apart). The map's rows end part_rows before the tensor's, so a part-1 row stays in it; a
-  // tile's part-0 rows end there too (GEMM1: gate rows; GEMM2: launch_gemm2 needs I % 256 == 0).
+  // (128 apart). The map's rows end part_rows before the tensor's, so a part-1 row stays in it; the
+  // part-0 rows a tile uses end there too (GEMM1: gate rows, below their expert's up rows; GEMM2:
+  // whole 256-row tiles).
+  if (!swiglu && g.I % (2 * kBf16WeightBoxRows) != 0)
+    return "jax_sdma_moe GEMM2: the 16-bit kernel needs output columns % 256 == 0, got " +
+           std::to_string(g.I);
   const int64_t sb = g.H / kBlock;
   const int64_t part_rows = swiglu ? g.I : kBf16WeightBoxRows;
   const int64_t rows = weight_rows - part_rows;
