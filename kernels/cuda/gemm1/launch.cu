@@ -91,10 +91,7 @@ std::string launch_bf16_route(Gemm1Args g, int64_t weight_rows, int grid,
   // kBf16WeightBoxRows rows part_rows apart: GEMM1's gate and up rows (I apart), GEMM2's 256 rows
   // (128 apart). The map's rows end part_rows before the tensor's, so a part-1 row stays in it; the
   // part-0 rows a tile uses end there too (GEMM1: gate rows, below their expert's up rows; GEMM2:
-  // whole 256-row tiles).
-  if (!swiglu && g.I % (2 * kBf16WeightBoxRows) != 0)
-    return "jax_sdma_moe GEMM2: the 16-bit kernel needs output columns % 256 == 0, got " +
-           std::to_string(g.I);
+  // whole 256-row tiles, which launch_gemm2 routes here only).
   const int64_t sb = g.H / kBlock;
   const int64_t part_rows = swiglu ? g.I : kBf16WeightBoxRows;
   const int64_t rows = weight_rows - part_rows;
@@ -200,7 +197,8 @@ std::string launch_gemm2(Gemm1Args g, int grid, cudaStream_t stream, int64_t til
                                 reinterpret_cast<uint8_t*>(g.h_bf16), nullptr, 0, stream);
   std::string err = last_error("gemm2 padding");
   if (!err.empty() || g.m_cap == 0) return err;
-  if (g.H % 512 == 0 && g.I % 256 == 0 && g.xb != nullptr &&
+  // the 16-bit kernel's tiles of GEMM2 are whole boxes of two weight parts (launch_bf16_route)
+  if (g.H % 512 == 0 && g.I % (2 * kBf16WeightBoxRows) == 0 && g.xb != nullptr &&
       bf16_operands_aligned(g.w_scales, g.a, g.a_scales)) {
     err = launch_bf16_route(g, int64_t(g.EL) * g.I, grid, stream, /*swiglu=*/false, tile_tokens);
     if (!err.empty()) return err;
