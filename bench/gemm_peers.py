@@ -24,7 +24,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from bench.timing import sustained
+from bench.timing import alternate, default_rest_s, sustained
 
 PEERS = ("torch-bf16", "torch-fp8", "triton-mx", "torch-dense")  # --skip-peers names
 GROUPED = ("torch-bf16", "torch-fp8")
@@ -116,6 +116,43 @@ def measure(problem: Problem, device, copy_gbps: float, timing: Timing,
           "floor": floor(problem, copy_gbps), "results": {n: results[n] for n in PEERS}}
 
 
+def measure_rounds(problem: Problem, device, ours: Callable[[], float], rounds: int,
+                   timing: Timing, skip: Sequence[str] = (), seed: int = 0,
+                   skip_why: str = "--skip-peers") -> dict:
+  """Ours and each GROUPED peer not in `skip`, one peer at a time, timed alternately for `rounds`
+  rounds (bench/timing.py alternate: a rest before each measurement, the order reversed every
+  other round): ours by `ours()` (ms: the pipelined burst every ratio uses), the peer by cuda_ms
+  (the median of `timing.iters` calls). {peer: {"rounds": [{"ours": ms, peer: ms}, ...],
+  "ratios": [peer ms / ours ms per round], "median_ratio", "min_ratio", "max_ratio"} |
+  {"skipped": why} | {"failed": why}}."""
+  names = [n for n in GROUPED if n not in skip]
+  out = {name: {"skipped": skip_why} for name in GROUPED if name in skip}
+  torch, why = _load_torch(device) if names else (None, None)
+  if torch is None:
+    return {**out, **{name: {"skipped": why} for name in names}}
+  dev = torch.device("cuda", device.local_hardware_id)
+  once = Timing(timing.iters, timing.warmup)
+  for name in names:
+    try:
+      with torch.cuda.device(dev):
+        call, err, _ = GROUPED_CALLS[name](torch, problem, dev,
+                                           torch.Generator(device=dev).manual_seed(seed))
+        if not err <= REL_TOL:
+          raise RuntimeError(f"wrong result: relative error {err:.2e} against float64")
+        per_round = alternate({"ours": ours, name: lambda: cuda_ms(torch, call, once)["ms"]},
+                              rounds, default_rest_s())
+        del call
+      r = [m[name] / m["ours"] for m in per_round]
+      out[name] = {"rounds": per_round, "ratios": r, "median_ratio": float(np.median(r)),
+                   "min_ratio": min(r), "max_ratio": max(r)}
+    except Exception as e:  # noqa: BLE001  as _run_peer: a peer's failure is data
+      out[name] = _failed(e)
+    finally:
+      torch.cuda.synchronize(dev)
+      torch.cuda.empty_cache()
+  return {name: out[name] for name in GROUPED}
+
+
 def _load_torch(device):
   """(torch, None), or (None, why the torch peers cannot run on `device`)."""
   if device.platform not in ("gpu", "cuda"):
@@ -130,8 +167,8 @@ def _load_torch(device):
 
 
 def _run_peer(torch, name: str, problem: Problem, dev, timing: Timing, seed: int) -> dict:
-  run = {"torch-bf16": _torch_bf16, "torch-fp8": _torch_fp8, "triton-mx": _triton_mx,
-         "torch-dense": _torch_dense}[name]
+  run = {"torch-bf16": _grouped("torch-bf16"), "torch-fp8": _grouped("torch-fp8"),
+         "triton-mx": _triton_mx, "torch-dense": _torch_dense}[name]
   gen = torch.Generator(device=dev).manual_seed(seed)
   try:
     with torch.cuda.device(dev):
@@ -143,11 +180,15 @@ def _run_peer(torch, name: str, problem: Problem, dev, timing: Timing, seed: int
                             f"float64 (limit {REL_TOL})", **result}
     return result
   except Exception as e:  # noqa: BLE001  a peer's failure (out of memory, no kernel, ...) is data
-    lines = str(e).strip().splitlines() or [type(e).__name__]
-    return {"failed": f"{type(e).__name__}: {lines[0][:160]}"}
+    return _failed(e)
   finally:
     torch.cuda.synchronize(dev)
     torch.cuda.empty_cache()  # the memory back, for the next peer and for JAX's next allocations
+
+
+def _failed(e: Exception) -> dict:
+  lines = str(e).strip().splitlines() or [type(e).__name__]
+  return {"failed": f"{type(e).__name__}: {lines[0][:160]}"}
 
 
 def cuda_ms(torch, fn: Callable, timing: Timing) -> dict:
@@ -215,7 +256,8 @@ def _offsets(torch, problem: Problem, dev):
   return torch.tensor(np.cumsum(problem.counts), dtype=torch.int32, device=dev)
 
 
-def _torch_bf16(torch, p: Problem, dev, gen, timing: Timing) -> dict:
+def _grouped_bf16(torch, p: Problem, dev, gen) -> tuple:
+  """torch-bf16's call on fresh random operands, its relative error, and how it is called."""
   E, M = len(p.counts), p.rows
   _need(torch, dev, 2 * (E * p.two_i * p.hidden + M * (p.hidden + p.two_i)))
   w = _randn(torch, (E, p.two_i, p.hidden), torch.bfloat16, dev, gen)
@@ -226,11 +268,11 @@ def _torch_bf16(torch, p: Problem, dev, gen, timing: Timing) -> dict:
     return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs, out_dtype=torch.bfloat16)
 
   err = _grouped_check(torch, p, call(), lambda r: x[r].double(), lambda e: w[e].double())
-  return {**cuda_ms(torch, call, timing), "rel_err": err,
-          "how": "torch._grouped_mm(x [M, H] bf16, w [E, 2I, H].transpose(-2, -1), offs int32)"}
+  return call, err, "torch._grouped_mm(x [M, H] bf16, w [E, 2I, H].transpose(-2, -1), offs int32)"
 
 
-def _torch_fp8(torch, p: Problem, dev, gen, timing: Timing) -> dict:
+def _grouped_fp8(torch, p: Problem, dev, gen) -> tuple:
+  """torch-fp8's call on fresh random operands, its relative error, and how it is called."""
   E, M = len(p.counts), p.rows
   f8 = torch.float8_e4m3fn
   _need(torch, dev, E * p.two_i * p.hidden + M * (p.hidden + 2 * p.two_i))
@@ -246,9 +288,19 @@ def _torch_fp8(torch, p: Problem, dev, gen, timing: Timing) -> dict:
 
   err = _grouped_check(torch, p, call(), lambda r: x[r].double() * scale_a[r, None].double(),
                        lambda e: w[e].double() * scale_b[e, :, None].double())
-  return {**cuda_ms(torch, call, timing), "rel_err": err,
-          "how": "torch._scaled_grouped_mm(x [M, H] e4m3, w [E, 2I, H].transpose(-2, -1), "
-                 "scale_a [M] f32, scale_b [E, 2I] f32, offs int32)"}
+  return call, err, ("torch._scaled_grouped_mm(x [M, H] e4m3, w [E, 2I, H].transpose(-2, -1), "
+                     "scale_a [M] f32, scale_b [E, 2I] f32, offs int32)")
+
+
+GROUPED_CALLS = {"torch-bf16": _grouped_bf16, "torch-fp8": _grouped_fp8}
+
+
+def _grouped(name: str) -> Callable:
+  """A GROUPED peer, made and checked, then timed by cuda_ms."""
+  def run(torch, p: Problem, dev, gen, timing: Timing) -> dict:
+    call, err, how = GROUPED_CALLS[name](torch, p, dev, gen)
+    return {**cuda_ms(torch, call, timing), "rel_err": err, "how": how}
+  return run
 
 
 def _torch_dense(torch, p: Problem, dev, gen, timing: Timing) -> dict:

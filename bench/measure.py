@@ -7,7 +7,7 @@ device_config: --gpu: inputs made on the devices, the sampled check, and XLA's d
 one rank's gemm1 FLOPs as this configuration's matmul ceiling; then gemm1's peers (gemm_peers.py)
 on rank 0's rows per expert.
 gemm1_config: --gemm1-rows: gemm1 alone on one device at given rows, checked, timed, and its
-peers on the same rows per expert."""
+peers on the same rows per expert; with --rounds, then ours and each grouped peer alternately."""
 from __future__ import annotations
 
 import contextlib
@@ -27,7 +27,8 @@ from bench.natives import NativeOut, native_paths
 from bench.paths import STAGES, BenchPath, engine_paths, engine_stats
 from bench.processes import (RUN_FAILURES, CheckError, all_processes, local_ranks, progress,
                              same_outcome, slowest, to_host)
-from bench.timing import add_rates, dense_bf16_matmul, first_call, sustained, time_calls
+from bench.timing import (add_rates, burst_seconds, dense_bf16_matmul, first_call, sustained,
+                          time_calls)
 from bench.trace import kernel_table
 
 REFERENCE_PATH = "native:jnp-reference(1 dev)"
@@ -244,14 +245,22 @@ def measure_peers(args, device, shape: jsm.MoEShape, counts, ceilings: dict,
   """gemm1's peers on `counts` rows per local expert (gemm_peers.measure; sustain_s: also their
   steady state, as --sustain); in a multi-process run only the floor (each process would measure
   its own GPU)."""
-  problem = gemm_peers.Problem(shape.hidden, 2 * shape.intermediate,
-                               tuple(int(c) for c in counts))
-  if jax.process_count() > 1:
-    skip, why = gemm_peers.PEERS, "multi-process run (a GPU per process)"
-  else:
-    skip, why = gemm_peers.parse_skip(args.skip_peers), "--skip-peers"
   timing = gemm_peers.Timing(args.iters, args.warmup, sustain_s)
-  return gemm_peers.measure(problem, device, ceilings["copy_gbps"], timing, skip, args.seed, why)
+  skip, why = peer_skip(args)
+  return gemm_peers.measure(peer_problem(shape, counts), device, ceilings["copy_gbps"], timing,
+                            skip, args.seed, why)
+
+
+def peer_problem(shape: jsm.MoEShape, counts) -> gemm_peers.Problem:
+  return gemm_peers.Problem(shape.hidden, 2 * shape.intermediate, tuple(int(c) for c in counts))
+
+
+def peer_skip(args) -> tuple:
+  """(the peers not to run, why): --skip-peers; every peer in a multi-process run (each process
+  would measure its own GPU)."""
+  if jax.process_count() > 1:
+    return gemm_peers.PEERS, "multi-process run (a GPU per process)"
+  return gemm_peers.parse_skip(args.skip_peers), "--skip-peers"
 
 
 def gemm1_config(args, device, shape: jsm.MoEShape, rows: int, experts: int, ceilings: dict,
@@ -289,8 +298,15 @@ def gemm1_config(args, device, shape: jsm.MoEShape, rows: int, experts: int, cei
   except RUN_FAILURES as e:
     row.update(why_failed(e))
     progress(f"{tag} gemm1: FAILED: {row['failed']}")
-  del landed, w1q
-  jax.clear_caches()
   progress(f"{tag} gemm1 peers")
   row["gemm1_peers"] = measure_peers(args, device, shape, counts, ceilings, args.sustain)
+  if args.rounds and "gemm1" in row:
+    progress(f"{tag} gemm1 and each grouped peer alternately, {args.rounds} rounds")
+    skip, why = peer_skip(args)
+    row["gemm1_rounds"] = gemm_peers.measure_rounds(
+        peer_problem(shape, counts), device,
+        lambda: burst_seconds(fn, (landed, w1q), args.iters, args.warmup) * 1e3, args.rounds,
+        gemm_peers.Timing(args.iters, args.warmup), skip, args.seed, why)
+  del landed, w1q
+  jax.clear_caches()
   return row

@@ -136,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
                  help="--gemm1-rows: also S seconds of calls back to back, ours and each peer's "
                       "(the steady state at the GPU's power limit, which --iters calls do not "
                       "reach), with the SM clock and power meanwhile (default: 0, not measured)")
+  p.add_argument("--rounds", type=int, default=0, metavar="N",
+                 help="--gemm1-rows: also N rounds that time ours and each grouped torch peer "
+                      "alternately, a rest before each measurement and the order reversed every "
+                      "other round: the ratio's spread within the run, whose median the table "
+                      "reports beside the single measurement (default: 0, none)")
   p.add_argument("--experts", type=int, help="--gemm1-rows: local experts (default: E/2 of each "
                  "shape, one of 2 ranks')")
   p.add_argument("--w1-std", type=float, metavar="STD",
@@ -273,6 +278,8 @@ def main(args) -> None:
   gemm_peers.parse_skip(args.skip_peers)
   if args.gemm1_rows and (not args.gpu or launch != "single"):
     raise SystemExit("--gemm1-rows: --gpu in one process (it runs on the first device)")
+  if args.rounds < 0 or (args.rounds and not args.gemm1_rows):
+    raise SystemExit(f"--rounds {args.rounds}: a count of rounds >= 0, with --gemm1-rows")
   start_processes(args, launch)
   try:
     if args.layer:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import numpy as np
+
 from bench.gemm_peers import ratios
 from bench.paths import STAGES
 
@@ -276,8 +278,36 @@ def format_gemm1_table(rows: Sequence[dict], ceilings: dict,
   lines += [f"  {', '.join(names)}: {w} ({', '.join(at)})" for w, (names, at) in why.items()]
   lines.append(f"ceilings (peers): copy {ceilings['copy_gbps']:.0f} GB/s, the floor's bandwidth")
   lines += [f"- {n}" for n in notes]
-  steady = format_sustained_table(rows)
-  return "\n".join(lines + ([steady] if steady else []))
+  extra = [t for t in (format_sustained_table(rows), format_rounds_table(rows)) if t]
+  return "\n".join(lines + extra)
+
+
+def format_rounds_table(rows: Sequence[dict]) -> str:
+  """gemm1 and its grouped peers timed alternately (bench/run.py --rounds); empty if none was."""
+  cols = [("shape", 6, "{}"), ("peer", 10, "{}"), ("rows", 6, "{}"), ("rows/exp", 8, "{:.0f}"),
+          ("rounds", 6, "{}"), ("ours ms", 7, "{:.3f}"), ("peer ms", 7, "{:.3f}"),
+          ("median", 7, "{:.2f}x"), ("min", 6, "{:.2f}x"), ("max", 6, "{:.2f}x"),
+          ("each round (peer ms / ours ms)", 30, "{}")]
+  table = []
+  for r in rows:
+    for name, v in (r.get("gemm1_rounds") or {}).items():
+      if "skipped" in v:
+        continue
+      measured = "ratios" in v
+      table.append([r["shape"], name, r["rows_total"], r["rows_total"] / r["experts"],
+                    len(v["ratios"]) if measured else "failed"] + (
+                    [float(np.median([m["ours"] for m in v["rounds"]])),
+                     float(np.median([m[name] for m in v["rounds"]])), v["median_ratio"],
+                     v["min_ratio"], v["max_ratio"], " ".join(f"{x:.3f}" for x in v["ratios"])]
+                    if measured else [None] * 5 + [v["failed"]]))
+  if not table:
+    return ""
+  lines = ["gemm1 and each grouped peer timed alternately (--rounds; > 1x: ours faster):"]
+  lines += render_table(cols, table, left=2)
+  lines.append("- each round times ours (the pipelined burst) and the peer (the median of its "
+               "calls) once each, after a rest, the order reversed every other round; ms: the "
+               "rounds' medians.")
+  return "\n".join(lines)
 
 
 def format_sustained_table(rows: Sequence[dict]) -> str:

@@ -42,21 +42,12 @@ def time_calls(fn: Callable, args: tuple, iters: int, warmup: int,
   right after a warm-up from a rested GPU, as gemm_peers.cuda_ms times the peers (their inputs
   made and checked in between). rest_s: the rest (default REST_S on a GPU, 0 on a CPU)."""
   if rest_s is None:
-    rest_s = 0.0 if jax.devices()[0].platform == "cpu" else REST_S
-
-  def warm():
-    for _ in range(warmup):
-      jax.block_until_ready(fn(*args))
-
-  warm()
-  t0 = time.perf_counter()
-  outs = [fn(*args) for _ in range(iters)]
-  jax.block_until_ready(outs)
-  pipelined = (time.perf_counter() - t0) / iters
-  del outs
+    rest_s = default_rest_s()
+  pipelined = burst_seconds(fn, args, iters, warmup)
   if rest_s > 0:
     time.sleep(rest_s)
-  warm()
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
   times = []
   for _ in range(iters):
     t0 = time.perf_counter()
@@ -65,6 +56,40 @@ def time_calls(fn: Callable, args: tuple, iters: int, warmup: int,
   ms = all_processes(times).max(0) * 1e3  # per call, the slowest process
   return {"median_ms": float(np.median(ms)), "min_ms": float(ms.min()),
           "p90_ms": float(np.percentile(ms, 90)), "pipelined_ms": slowest(pipelined) * 1e3}
+
+
+def default_rest_s() -> float:
+  """REST_S on a GPU; a CPU run does not rest."""
+  return 0.0 if jax.devices()[0].platform == "cpu" else REST_S
+
+
+def burst_seconds(fn: Callable, args: tuple, iters: int, warmup: int) -> float:
+  """`warmup` calls that each wait, then `iters` calls enqueued back to back and one wait: seconds
+  per call of the burst (this process's; time_calls takes the slowest process's)."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  t0 = time.perf_counter()
+  outs = [fn(*args) for _ in range(iters)]
+  jax.block_until_ready(outs)
+  return (time.perf_counter() - t0) / iters
+
+
+def alternate(timers: dict, rounds: int, rest_s: float) -> list:
+  """Rounds of every timer in turn, each after a rest of rest_s: {name: ms} per round. Torch's
+  own time moves up to 14% between runs of one device call (docs/PERF.md §3), so a single pair of
+  measurements compares two moments of a drifting GPU; alternating them, the order reversed every
+  other round (so neither always runs right after the other), gives each ratio's spread. timers:
+  {name: a callable that measures once and returns ms}."""
+  names = list(timers)
+  out = []
+  for r in range(rounds):
+    ms = {}
+    for name in names if r % 2 == 0 else names[::-1]:
+      if rest_s > 0:
+        time.sleep(rest_s)
+      ms[name] = float(timers[name]())
+    out.append({n: ms[n] for n in names})
+  return out
 
 
 def sustained(call: Callable[[], object], sync: Callable[[object], None], seconds: float,
