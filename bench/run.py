@@ -52,7 +52,7 @@ USAGE = """Examples (from the repository root):
   python bench/run.py --gpu --platform cpu --shapes small --tokens 32,128 --iters 3 --warmup 1
   python bench/run.py --gpu --skip-native ragged   # ragged_dot is slow / out of memory on GPU
   python bench/run.py --gpu --devices 2 --shapes dsv3
-  python bench/run.py --gpu --gemm1-rows 128x2,32768,65536 --experts 128   # issue 13's table
+  python bench/run.py --gpu --gemm1-rows 128x2,32768,65536 --experts 128 --rounds 6  # issue 13
   python bench/run.py --layer --platform cpu --devices 8   # the whole layer (issue 16)
   mpirun --allow-run-as-root -n 2 python bench/run.py --gpu --shapes dsv3   # one GPU per process
   mpirun --allow-run-as-root -n 2 python bench/run.py --tokens 32,128   # 2 processes, 1 rank each

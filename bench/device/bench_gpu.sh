@@ -3,7 +3,8 @@
 # machine unless the flags say otherwise; R = 1: engine local; more: engines ce, sm, xla).
 # Usage, from the repository root: bash bench/device/bench_gpu.sh [--timeout S] [bench/run.py flags...]
 #   e.g. bash bench/device/bench_gpu.sh --shapes dsv3 --tokens 128,1024,4096 --iters 10
-#        bash bench/device/bench_gpu.sh --gemm1-rows 128x2,32768,65536 --experts 128  (issue 13)
+#        bash bench/device/bench_gpu.sh --gemm1-rows 128x2,32768,65536 --experts 128 \
+#          --rounds 6   (issue 13)
 #   (default --timeout 540; every flag of bench/run.py, which come after the defaults here:
 #   --gpu --devices <GPUs> --out $OUT)
 # Log: $OUT/bench-gpu.log (the table and its notes); <tag>.json and <tag>.png in $OUT, written
