@@ -300,14 +300,17 @@ def format_rounds_table(rows: Sequence[dict]) -> str:
                      float(np.median([m[name] for m in v["rounds"]])), v["median_ratio"],
                      v["min_ratio"], v["max_ratio"], " ".join(f"{x:.3f}" for x in v["ratios"])]
                     if measured else [None] * 5 + [v["failed"]]))
+  return _titled_table(
+      "gemm1 and each grouped peer timed alternately (--rounds; > 1x: ours faster):", cols, table,
+      2, "each round times ours (the pipelined burst) and the peer (the median of its calls) once "
+         "each, after a rest, the order reversed every other round; ms: the rounds' medians.")
+
+
+def _titled_table(title: str, cols: Sequence[tuple], table: list, left: int, note: str) -> str:
+  """A title, the table (render_table) and a note; empty if the table has no rows."""
   if not table:
     return ""
-  lines = ["gemm1 and each grouped peer timed alternately (--rounds; > 1x: ours faster):"]
-  lines += render_table(cols, table, left=2)
-  lines.append("- each round times ours (the pipelined burst) and the peer (the median of its "
-               "calls) once each, after a rest, the order reversed every other round; ms: the "
-               "rounds' medians.")
-  return "\n".join(lines)
+  return "\n".join([title] + render_table(cols, table, left) + [f"- {note}"])
 
 
 def format_sustained_table(rows: Sequence[dict]) -> str:
@@ -334,11 +337,8 @@ def format_sustained_table(rows: Sequence[dict]) -> str:
                   vs("torch-fp8"),
                   _rate(r["gemm1_flops"] / (dense["ms"] * 1e-3) / 1e12) if "ms" in dense else None,
                   dense.get("sm_mhz")])
-  if not table:
-    return ""
-  lines = ["gemm1 and its peers in steady state (--sustain: calls back to back for s seconds):"]
-  lines += render_table(cols, table, left=1)
-  lines.append("- ms per call over the second half of the period; MHz, W: the median SM clock and "
-               "board power that nvidia-smi sampled meanwhile (the GPU at its power limit: short "
-               "bursts of --iters calls run at higher clocks than a model's steady state).")
-  return "\n".join(lines)
+  return _titled_table(
+      "gemm1 and its peers in steady state (--sustain: calls back to back for s seconds):", cols,
+      table, 1, "ms per call over the second half of the period; MHz, W: the median SM clock and "
+                "board power that nvidia-smi sampled meanwhile (the GPU at its power limit: short "
+                "bursts of --iters calls run at higher clocks than a model's steady state).")
