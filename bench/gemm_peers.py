@@ -133,24 +133,22 @@ def measure_rounds(problem: Problem, device, ours: Callable[[], float], rounds: 
   dev = torch.device("cuda", device.local_hardware_id)
   once = Timing(timing.iters, timing.warmup)
   for name in names:
-    try:
-      with torch.cuda.device(dev):
-        call, err, _ = GROUPED_CALLS[name](torch, problem, dev,
-                                           torch.Generator(device=dev).manual_seed(seed))
-        if not err <= REL_TOL:
-          raise RuntimeError(f"wrong result: relative error {err:.2e} against float64")
-        per_round = alternate({"ours": ours, name: lambda: cuda_ms(torch, call, once)["ms"]},
-                              rounds, default_rest_s())
-        del call
-      r = [m[name] / m["ours"] for m in per_round]
-      out[name] = {"rounds": per_round, "ratios": r, "median_ratio": float(np.median(r)),
-                   "min_ratio": min(r), "max_ratio": max(r)}
-    except Exception as e:  # noqa: BLE001  as _run_peer: a peer's failure is data
-      out[name] = _failed(e)
-    finally:
-      torch.cuda.synchronize(dev)
-      torch.cuda.empty_cache()
+    out[name] = _guarded(torch, dev, lambda: _rounds(torch, name, problem, dev, ours, rounds, once,
+                                                     seed))
   return {name: out[name] for name in GROUPED}
+
+
+def _rounds(torch, name: str, problem: Problem, dev, ours: Callable[[], float], rounds: int,
+            once: Timing, seed: int) -> dict:
+  call, err, _ = GROUPED_CALLS[name](torch, problem, dev,
+                                     torch.Generator(device=dev).manual_seed(seed))
+  if not err <= REL_TOL:  # NaN too
+    return {"failed": _wrong_result(err)}
+  per_round = alternate({"ours": ours, name: lambda: cuda_ms(torch, call, once)["ms"]}, rounds,
+                        default_rest_s())
+  r = [m[name] / m["ours"] for m in per_round]
+  return {"rounds": per_round, "ratios": r, "median_ratio": float(np.median(r)),
+          "min_ratio": min(r), "max_ratio": max(r)}
 
 
 def _load_torch(device):
@@ -170,25 +168,34 @@ def _run_peer(torch, name: str, problem: Problem, dev, timing: Timing, seed: int
   run = {"torch-bf16": _grouped("torch-bf16"), "torch-fp8": _grouped("torch-fp8"),
          "triton-mx": _triton_mx, "torch-dense": _torch_dense}[name]
   gen = torch.Generator(device=dev).manual_seed(seed)
-  try:
-    with torch.cuda.device(dev):
-      result = run(torch, problem, dev, gen, timing)
+
+  def measured() -> dict:
+    result = run(torch, problem, dev, gen, timing)
     if "ms" in result:
       result["tflops"] = problem.flops / (result["ms"] * 1e-3) / 1e12
       if not result["rel_err"] <= REL_TOL:  # NaN too
-        result = {"failed": f"wrong result: relative error {result['rel_err']:.2e} against "
-                            f"float64 (limit {REL_TOL})", **result}
+        result = {"failed": _wrong_result(result["rel_err"]), **result}
     return result
-  except Exception as e:  # noqa: BLE001  a peer's failure (out of memory, no kernel, ...) is data
-    return _failed(e)
+
+  return _guarded(torch, dev, measured)
+
+
+def _guarded(torch, dev, measure: Callable[[], dict]) -> dict:
+  """measure() with `dev` current; its failure (out of memory, no kernel, ...) is data:
+  {"failed": why}. The memory goes back after it, for the next peer and JAX's next allocations."""
+  try:
+    with torch.cuda.device(dev):
+      return measure()
+  except Exception as e:  # noqa: BLE001
+    lines = str(e).strip().splitlines() or [type(e).__name__]
+    return {"failed": f"{type(e).__name__}: {lines[0][:160]}"}
   finally:
     torch.cuda.synchronize(dev)
-    torch.cuda.empty_cache()  # the memory back, for the next peer and for JAX's next allocations
+    torch.cuda.empty_cache()
 
 
-def _failed(e: Exception) -> dict:
-  lines = str(e).strip().splitlines() or [type(e).__name__]
-  return {"failed": f"{type(e).__name__}: {lines[0][:160]}"}
+def _wrong_result(rel_err: float) -> str:
+  return f"wrong result: relative error {rel_err:.2e} against float64 (limit {REL_TOL})"
 
 
 def cuda_ms(torch, fn: Callable, timing: Timing) -> dict:

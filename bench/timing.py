@@ -46,8 +46,7 @@ def time_calls(fn: Callable, args: tuple, iters: int, warmup: int,
   pipelined = burst_seconds(fn, args, iters, warmup)
   if rest_s > 0:
     time.sleep(rest_s)
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
+  warm_up(fn, args, warmup)
   times = []
   for _ in range(iters):
     t0 = time.perf_counter()
@@ -63,11 +62,16 @@ def default_rest_s() -> float:
   return 0.0 if jax.devices()[0].platform == "cpu" else REST_S
 
 
+def warm_up(fn: Callable, args: tuple, calls: int) -> None:
+  """`calls` calls that each wait for their result."""
+  for _ in range(calls):
+    jax.block_until_ready(fn(*args))
+
+
 def burst_seconds(fn: Callable, args: tuple, iters: int, warmup: int) -> float:
   """`warmup` calls that each wait, then `iters` calls enqueued back to back and one wait: seconds
   per call of the burst (this process's; time_calls takes the slowest process's)."""
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
+  warm_up(fn, args, warmup)
   t0 = time.perf_counter()
   outs = [fn(*args) for _ in range(iters)]
   jax.block_until_ready(outs)
