@@ -16,7 +16,9 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jsm::DispatchOptions,
                                       ::xla::ffi::StructMember<double>("timeout_s"),
                                       ::xla::ffi::StructMember<int64_t>("fault_absent_rank"),
                                       ::xla::ffi::StructMember<int64_t>("fault_delay_rank"),
-                                      ::xla::ffi::StructMember<int64_t>("fault_delay_ms"));
+                                      ::xla::ffi::StructMember<int64_t>("fault_delay_ms"),
+                                      ::xla::ffi::StructMember<int64_t>("runtime"),
+                                      ::xla::ffi::StructMember<bool>("global_overflow"));
 
 // attribute `gemm1`
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jsm::Gemm1Options,

@@ -93,6 +93,8 @@ class DispatchOptions:
   fault_absent_rank: int = -1
   fault_delay_rank: int = -1
   fault_delay_ms: int = 0
+  runtime: int = 0               # the Runtime's liveness-registry entry (0: not checked)
+  global_overflow: bool = False  # engines ce, sm: `overflow` counts the rows dropped axis-wide
 
   def ffi_attr(self) -> dict:
     ids = extension().ENGINE_IDS
@@ -102,7 +104,8 @@ class DispatchOptions:
             "row_align": np.int64(self.row_align), "timeout_s": np.float64(self.timeout_s),
             "fault_absent_rank": np.int64(self.fault_absent_rank),
             "fault_delay_rank": np.int64(self.fault_delay_rank),
-            "fault_delay_ms": np.int64(self.fault_delay_ms)}
+            "fault_delay_ms": np.int64(self.fault_delay_ms), "runtime": np.int64(self.runtime),
+            "global_overflow": np.bool_(self.global_overflow)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,7 +38,14 @@ struct DispatchOptions {
   double timeout_s;   // every wait of the protocol is bounded by this
   int64_t fault_absent_rank;  // this rank never takes part (tests the timeout path)
   int64_t fault_delay_rank;   // this rank starts late by fault_delay_ms
-  int64_t fault_delay_ms;
+  int64_t fault_delay_ms;     // bounded by timeout_s where it is slept
+  // The Runtime's entry in the liveness registry (ffi/runtime_registry.h): a call whose Runtime
+  // was closed fails with FAILED_PRECONDITION "Runtime is closed"; 0: not checked.
+  int64_t runtime;
+  // stage1(check=True) on engines ce and sm: the dispatch's `overflow` result is the rows dropped
+  // over every rank of the axis (from the full plan every rank holds), so that every rank's
+  // check fails at the same point and none waits for a rank that left.
+  bool global_overflow;
 };
 
 // Attribute `gemm1` of jsm_gemm1 and jsm_dispatch_gemm1(_graph).
