@@ -3,11 +3,15 @@
 // Python.
 #include "ffi/cpu_handlers.h"
 
+#include <algorithm>
+#include <cstring>
 #include <optional>
 #include <string>
 
 #include "ffi/handler_util.h"
+#include "ffi/runtime_registry.h"
 #include "ffi/signatures.h"
+#include "kernels/common/layout_check.h"
 #include "kernels/common/mxfp8.h"
 #include "kernels/cpu/combine.h"
 #include "kernels/cpu/dispatch.h"
@@ -46,7 +50,8 @@ ffi::Error QuantizeImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> values,
 
 ffi::Error RouteImpl(S32Mat ids, ffi::Result<S32Mat> send_counts,
                      ffi::Result<S32Mat> send_pos,
-                     ffi::Result<S32Scalar> num_invalid) {
+                     ffi::Result<S32Scalar> num_invalid, int64_t runtime) {
+  JSM_RETURN_IF_ERROR(jsm::runtime_registry::check_open(runtime, "route on cpu"));
   const auto T = ids.dimensions()[0], K = ids.dimensions()[1];
   const auto R = send_counts->dimensions()[0], EL = send_counts->dimensions()[1];
   *num_invalid->typed_data() = jsm::route(ids.typed_data(), T, K, R, EL,
@@ -89,6 +94,39 @@ ffi::Error PackImpl(ffi::AnyBuffer x_values, ffi::AnyBuffer x_scales,
   return ffi::Error::Success();
 }
 
+// The rows a dispatch reads from its send buffer: send_counts >= 0, at most its rows in all
+// (primitives.dispatch takes any counts; route's always pass).
+ffi::Error check_send_counts(const S32Mat& send_counts, int64_t send_rows) {
+  const int32_t* c = send_counts.typed_data();
+  int64_t sum = 0;
+  for (int64_t i = 0; i < int64_t(send_counts.element_count()); ++i) {
+    if (c[i] < 0)
+      return ffi::Error::InvalidArgument("jax_sdma_moe dispatch (cpu): send_counts[" +
+                                         std::to_string(i) + "] = " + std::to_string(c[i]) +
+                                         " is negative");
+    sum += c[i];
+  }
+  if (sum > send_rows)
+    return ffi::Error::InvalidArgument("jax_sdma_moe dispatch (cpu): send_counts add up to " +
+                                       std::to_string(sum) + " rows, more than the send buffer's " +
+                                       std::to_string(send_rows));
+  return ffi::Error::Success();
+}
+
+// The experts' landed rows a GEMM reads and writes (gemm1, gemm2): EL of them, each within
+// [0, M_cap), in order, none overlapping (kernels/common/layout_check.h); what: the call.
+ffi::Error check_expert_rows(const S32Vec& offsets, const S32Vec& counts, int64_t EL,
+                             int64_t m_cap, const char* what) {
+  const std::string where = std::string("jax_sdma_moe ") + what + " (cpu): ";
+  if (int64_t(offsets.element_count()) != EL || int64_t(counts.element_count()) != EL)
+    return ffi::Error::InvalidArgument(where + "expert_offsets and expert_counts must hold " +
+                                       std::to_string(EL) + " experts (the weights')");
+  const jsm::LayoutFault f =
+      jsm::check_experts(offsets.typed_data(), counts.typed_data(), EL, m_cap);
+  if (f.rule == jsm::kLayoutOk) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(where + jsm::layout_fault_message(f, "", m_cap, 0, 0, 0));
+}
+
 ffi::Error DispatchImpl(ffi::AnyBuffer values, ffi::AnyBuffer scales, S32Vec token,
                         S32Vec slot, F32Vec weight,
                         S32Mat send_counts, S32Scalar rank,
@@ -99,6 +137,7 @@ ffi::Error DispatchImpl(ffi::AnyBuffer values, ffi::AnyBuffer scales, S32Vec tok
                         ffi::Result<S32Vec> expert_counts,
                         ffi::Result<S32Scalar> num_rows, ffi::Result<S32Scalar> overflow,
                         jsm::DispatchOptions opt) {
+  JSM_RETURN_IF_ERROR(jsm::runtime_registry::check_open(opt.runtime, "dispatch on cpu"));
   // engine local (R = 1) places the rows directly; engine cpu runs the window protocol
   if (opt.engine != jsm::EngineId::kCpu && opt.engine != jsm::EngineId::kLocal)
     return jsm::handler::wrong_engine("dispatch (cpu)", opt.engine, "engines cpu and local");
@@ -108,6 +147,7 @@ ffi::Error DispatchImpl(ffi::AnyBuffer values, ffi::AnyBuffer scales, S32Vec tok
       check_send_rows(values, scales, token.element_count(), 0, false, "dispatch"));
   jsm::DispatchGeometry g{send_counts.dimensions()[0], send_counts.dimensions()[1], last_dim(values),
                           rows_of(*out_values), rows_of(values)};
+  JSM_RETURN_IF_ERROR(check_send_counts(send_counts, g.send_rows));
   jsm::SendView send{static_cast<const uint8_t*>(values.untyped_data()),
                      static_cast<const uint8_t*>(scales.untyped_data()),
                      token.typed_data(), slot.typed_data(), weight.typed_data(),
@@ -136,6 +176,7 @@ ffi::Error Gemm1Impl(ffi::AnyBuffer a_values, ffi::AnyBuffer a_scales,
   const auto wd = w_values.dimensions();  // [EL, 2I, H]
   jsm::Gemm1Problem p{rows_of(a_values), last_dim(a_values), wd[1] / 2, wd[0], opt.has_limit,
                       opt.swiglu_limit};
+  JSM_RETURN_IF_ERROR(check_expert_rows(expert_offsets, expert_counts, p.EL, p.m_cap, "gemm1"));
   const auto* av = static_cast<const uint8_t*>(a_values.untyped_data());
   const auto* as = static_cast<const uint8_t*>(a_scales.untyped_data());
   const auto* wv = static_cast<const uint8_t*>(w_values.untyped_data());
@@ -185,6 +226,7 @@ ffi::Error Gemm2Impl(ffi::AnyBuffer h, S32Vec expert_offsets, S32Vec expert_coun
   }
   const auto wd = w_values.dimensions();  // [EL, H, I]
   jsm::Gemm2Problem p{rows_of(h), wd[1], wd[2], wd[0]};
+  JSM_RETURN_IF_ERROR(check_expert_rows(expert_offsets, expert_counts, p.EL, p.m_cap, "gemm2"));
   jsm::gemm2(h.untyped_data(),
              h_scales.has_value() ? static_cast<const uint8_t*>(h_scales->untyped_data()) : nullptr,
              expert_offsets.typed_data(), expert_counts.typed_data(),
@@ -197,6 +239,7 @@ ffi::Error Gemm2Impl(ffi::AnyBuffer h, S32Vec expert_offsets, S32Vec expert_coun
 ffi::Error CombineImpl(ffi::AnyBuffer rows, S32Vec src_rank, S32Vec token, S32Vec slot,
                        F32Vec weight, S32Scalar rank, ffi::Result<ffi::AnyBuffer> y,
                        jsm::DispatchOptions opt, int64_t topk) {
+  JSM_RETURN_IF_ERROR(jsm::runtime_registry::check_open(opt.runtime, "combine on cpu"));
   // engine local (and engine xla after its exchange): every row is this rank's; engine cpu runs
   // the return protocol between the ranks
   if (opt.engine != jsm::EngineId::kCpu && opt.engine != jsm::EngineId::kLocal)
@@ -214,8 +257,13 @@ ffi::Error CombineImpl(ffi::AnyBuffer rows, S32Vec src_rank, S32Vec token, S32Ve
   jsm::ReturnRows in{static_cast<const uint16_t*>(rows.untyped_data()), src_rank.typed_data(),
                      token.typed_data(), slot.typed_data(), weight.typed_data()};
   auto* out = static_cast<uint16_t*>(y->untyped_data());
-  std::string err = jsm::check_return_headers(g, in);
-  if (err.empty() && opt.engine == jsm::EngineId::kLocal) err = jsm::combine_local(g, in, out);
+  // the headers the rows are returned by: each names a rank, token and slot of this combine, once
+  const jsm::LayoutFault f = jsm::check_rows(in.src_rank, in.token, in.slot, g.m_cap, R, g.T, g.K);
+  if (f.rule != jsm::kLayoutOk)
+    return ffi::Error::InvalidArgument("jax_sdma_moe combine (cpu): " +
+                                       jsm::layout_fault_message(f, "", g.m_cap, R, g.T, g.K));
+  std::string err;
+  if (opt.engine == jsm::EngineId::kLocal) err = jsm::combine_local(g, in, out);
   if (!err.empty()) return ffi::Error::InvalidArgument("jax_sdma_moe combine (cpu): " + err);
   if (opt.engine == jsm::EngineId::kLocal) return ffi::Error::Success();
   err = jsm::combine_cpu(*rank.typed_data(), g, opt, in, out);
@@ -224,20 +272,48 @@ ffi::Error CombineImpl(ffi::AnyBuffer rows, S32Vec src_rank, S32Vec token, S32Ve
 }
 
 // stage1(check=True): the overflow count passes through, and a non-zero one fails the call.
-ffi::Error CheckOverflowImpl(S32Scalar overflow, S32Scalar rank,
-                             std::optional<ffi::AnyBuffer> /*after: orders, not read*/,
-                             ffi::Result<S32Scalar> out, int64_t cap) {
+ffi::Error CheckOverflowImpl(S32Scalar overflow, S32Scalar rank, ffi::RemainingArgs guarded,
+                             ffi::Result<S32Scalar> out, ffi::RemainingRets guarded_out,
+                             int64_t cap) {
   const int32_t n = *overflow.typed_data();
   *out->typed_data() = n;
-  if (n > 0)
-    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                      "jax_sdma_moe.stage1: " + std::to_string(n) + " rows routed to rank " +
-                          std::to_string(*rank.typed_data()) + " did not fit M_cap = " +
-                          std::to_string(cap) + "; raise Stage1Config.max_recv_rows");
+  for (size_t i = 0; i < guarded.size(); ++i) {  // aliased: a copy only if XLA did not alias
+    auto in = guarded.get<ffi::AnyBuffer>(i);
+    auto o = guarded_out.get<ffi::AnyBuffer>(i);
+    if (!in.has_value()) return in.error();
+    if (!o.has_value()) return o.error();
+    if ((*o)->untyped_data() != in->untyped_data())
+      std::memcpy((*o)->untyped_data(), in->untyped_data(), in->size_bytes());
+  }
+  if (n > 0) return jsm::handler::overflow_error(n, *rank.typed_data(), cap);
   return ffi::Error::Success();
 }
 
+// jsm.stage2's check of out1's layout (kernels/common/layout_check.h): the offsets and counts
+// pass through (gemm2 takes the copies, so the check runs first); the call fails naming the
+// first field, index and value that break the §4 layout.
+ffi::Error CheckLayoutImpl(S32Vec expert_offsets, S32Vec expert_counts, S32Vec src_rank,
+                           S32Vec src_token, S32Vec topk_slot, ffi::Result<S32Vec> out_offsets,
+                           ffi::Result<S32Vec> out_counts, int64_t num_ranks, int64_t num_tokens,
+                           int64_t topk) {
+  const int64_t EL = expert_offsets.element_count(), M = src_rank.element_count();
+  std::copy_n(expert_offsets.typed_data(), EL, out_offsets->typed_data());
+  std::copy_n(expert_counts.typed_data(), EL, out_counts->typed_data());
+  jsm::LayoutFault f = jsm::check_experts(expert_offsets.typed_data(),
+                                          expert_counts.typed_data(), EL, M);
+  if (f.rule == jsm::kLayoutOk)
+    f = jsm::check_rows(src_rank.typed_data(), src_token.typed_data(), topk_slot.typed_data(), M,
+                        num_ranks, num_tokens, topk);
+  if (f.rule == jsm::kLayoutOk) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(
+      "jax_sdma_moe.stage2: " +
+      jsm::layout_fault_message(f, "out1.", M, num_ranks, num_tokens, topk));
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmCheckLayoutCpu, CheckLayoutImpl,
+                              jsm::sig::check_layout(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmCheckOverflowCpu, CheckOverflowImpl,
                               jsm::sig::check_overflow(ffi::Ffi::Bind()));

@@ -10,6 +10,7 @@
 #include "ffi/cuda_handlers.h"
 #include "ffi/gpu_handlers.h"
 #include "ffi/handler_util.h"
+#include "ffi/runtime_registry.h"
 #include "ffi/signatures.h"
 #include "kernels/cuda/ep/engine.h"
 #include "kernels/cuda/gemm1/launch.h"
@@ -182,6 +183,7 @@ ffi::Error DispatchGemm1Impl(cudaStream_t stream, ffi::AnyBuffer values, ffi::An
                              ffi::Result<S32Scalar> num_rows, ffi::Result<S32Scalar> overflow,
                              ffi::RemainingRets rets, jsm::DispatchOptions opt,
                              jsm::Gemm1Options gemm_opt, bool token_rows) {
+  JSM_RETURN_IF_ERROR(jsm::runtime_registry::check_open(opt.runtime, "dispatch_gemm1 (CUDA)"));
   if (opt.engine != EngineId::kCe && opt.engine != EngineId::kSm && opt.engine != EngineId::kLocal)
     return jsm::handler::wrong_engine("dispatch_gemm1 (CUDA)", opt.engine,
                                       "engines local, ce and sm");

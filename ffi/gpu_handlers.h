@@ -1,9 +1,9 @@
 // The handlers that the CUDA and ROCm platforms share, as templates over the platform's window
-// engines (`Engines`): quantize, route, qpack / pack, check_overflow, dispatch and combine (engine
-// local everywhere, the platform's window engines through Engines::dispatch / ::combine). Each
-// decodes what XLA hands it and calls a launcher of kernels/common/gpu_stages.h or gpu_stage2.h
-// on XLA's stream. Included by ffi/cuda_handlers.cu and ffi/rocm_handlers.cc only, each with its
-// own Engines:
+// engines (`Engines`): quantize, route, qpack / pack, check_overflow, check_layout, dispatch and
+// combine (engine local everywhere, the platform's window engines through Engines::dispatch /
+// ::combine). Each decodes what XLA hands it and calls a launcher of kernels/common/gpu_stages.h
+// or gpu_stage2.h on XLA's stream. Included by ffi/cuda_handlers.cu and ffi/rocm_handlers.cc
+// only, each with its own Engines:
 //   static constexpr const char* kPlatform;           // "CUDA", "ROCm": for messages
 //   static bool serves(EngineId);                       // its window engines' dispatch
 //   static constexpr const char* kServes;             // "engines local, ce and sm", ...
@@ -16,11 +16,14 @@
 
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "ffi/handler_util.h"
+#include "ffi/runtime_registry.h"
 #include "ffi/signatures.h"
 #include "kernels/common/gpu_stage2.h"
 #include "kernels/common/gpu_stages.h"
+#include "kernels/common/layout_check.h"
 #include "kernels/common/mxfp8.h"
 
 namespace jsm {
@@ -62,7 +65,9 @@ inline ffi::Error QuantizeImpl(gpu::Stream stream, ffi::AnyBuffer x,
 }
 
 inline ffi::Error RouteImpl(gpu::Stream stream, S32Mat ids, ffi::Result<S32Mat> send_counts,
-                            ffi::Result<S32Mat> send_pos, ffi::Result<S32Scalar> num_invalid) {
+                            ffi::Result<S32Mat> send_pos, ffi::Result<S32Scalar> num_invalid,
+                            int64_t runtime) {
+  JSM_RETURN_IF_ERROR(runtime_registry::check_open(runtime, "route on a GPU"));
   gpu::launch_route(ids.typed_data(), ids.element_count(), int(send_counts->element_count()),
                     send_counts->typed_data(), send_pos->typed_data(), num_invalid->typed_data(),
                     stream);
@@ -187,6 +192,7 @@ ffi::Error DispatchImpl(gpu::Stream stream, ffi::AnyBuffer values, ffi::AnyBuffe
                         ffi::Result<S32Vec> expert_counts, ffi::Result<S32Scalar> num_rows,
                         ffi::Result<S32Scalar> overflow, DispatchOptions opt) {
   const std::string where = std::string("dispatch (") + Engines::kPlatform + ")";
+  JSM_RETURN_IF_ERROR(runtime_registry::check_open(opt.runtime, where.c_str()));
   if (opt.engine != EngineId::kLocal && !Engines::serves(opt.engine))
     return handler::wrong_engine(where.c_str(), opt.engine, Engines::kServes);
   JSM_RETURN_IF_ERROR(
@@ -235,6 +241,7 @@ ffi::Error CombineImpl(gpu::Stream stream, ffi::AnyBuffer rows, S32Vec src_rank,
                        ffi::Result<ffi::AnyBuffer> y, ffi::RemainingRets rets,
                        DispatchOptions opt, int64_t topk) {
   const std::string where = std::string("combine (") + Engines::kPlatform + ")";
+  JSM_RETURN_IF_ERROR(runtime_registry::check_open(opt.runtime, where.c_str()));
   if (opt.engine != EngineId::kLocal && !Engines::serves_combine(opt.engine))
     return handler::wrong_engine(where.c_str(), opt.engine, Engines::kServesCombine);
   JSM_RETURN_IF_ERROR(check_dtype(rows, ffi::DataType::BF16, "combine rows"));
@@ -262,19 +269,58 @@ ffi::Error CombineImpl(gpu::Stream stream, ffi::AnyBuffer rows, S32Vec src_rank,
 }
 
 inline ffi::Error CheckOverflowImpl(gpu::Stream stream, S32Scalar overflow, S32Scalar rank,
-                                    std::optional<ffi::AnyBuffer> /*after: orders, not read*/,
-                                    ffi::Result<S32Scalar> out, int64_t cap) {
+                                    ffi::RemainingArgs guarded, ffi::Result<S32Scalar> out,
+                                    ffi::RemainingRets guarded_out, int64_t cap) {
   int32_t host[2] = {0, 0};
   (void)gpu::memcpy_device_to_device_async(out->typed_data(), overflow.typed_data(), 4, stream);
+  for (size_t i = 0; i < guarded.size(); ++i) {  // aliased: a copy only if XLA did not alias
+    auto in = guarded.get<ffi::AnyBuffer>(i);
+    auto o = guarded_out.get<ffi::AnyBuffer>(i);
+    if (!in.has_value()) return in.error();
+    if (!o.has_value()) return o.error();
+    if ((*o)->untyped_data() != in->untyped_data())
+      (void)gpu::memcpy_device_to_device_async((*o)->untyped_data(), in->untyped_data(),
+                                               in->size_bytes(), stream);
+  }
   (void)gpu::memcpy_device_to_host_async(&host[0], overflow.typed_data(), 4, stream);
   (void)gpu::memcpy_device_to_host_async(&host[1], rank.typed_data(), 4, stream);
   if (gpu::stream_synchronize(stream) != gpu::kSuccess) return last_error("check_overflow");
-  if (host[0] > 0)
-    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                      "jax_sdma_moe.stage1: " + std::to_string(host[0]) + " rows routed to rank " +
-                          std::to_string(host[1]) + " did not fit M_cap = " + std::to_string(cap) +
-                          "; raise Stage1Config.max_recv_rows");
+  if (host[0] > 0) return handler::overflow_error(host[0], host[1], cap);
   return ffi::Error::Success();
+}
+
+// jsm.stage2's check of out1's layout (kernels/common/layout_check.h): the offsets and counts
+// copied through (gemm2 takes the copies, so the check runs first), one validation kernel
+// (gpu_stage2.h launch_check_layout) writing the first fault to the workspace, one 16-byte copy to
+// the host and a synchronize, then the fault named. rets: the workspace, check_layout_words uint32.
+inline ffi::Error CheckLayoutImpl(gpu::Stream stream, S32Vec expert_offsets, S32Vec expert_counts,
+                                  S32Vec src_rank, S32Vec src_token, S32Vec topk_slot,
+                                  ffi::Result<S32Vec> out_offsets, ffi::Result<S32Vec> out_counts,
+                                  ffi::RemainingRets rets, int64_t num_ranks, int64_t num_tokens,
+                                  int64_t topk) {
+  const int64_t EL = expert_offsets.element_count(), M = src_rank.element_count();
+  auto words = rets.get<ffi::AnyBuffer>(0);
+  if (rets.size() != 1 || !words.has_value())
+    return ffi::Error::InvalidArgument("jax_sdma_moe check_layout: expected 1 workspace result");
+  if ((*words)->size_bytes() !=
+      size_t(gpu::check_layout_words(num_ranks, num_tokens, topk)) * sizeof(uint32_t))
+    return ffi::Error::InvalidArgument("jax_sdma_moe check_layout: workspace of the wrong size");
+  uint32_t* w = static_cast<uint32_t*>((*words)->untyped_data());
+  for (auto [to, from] : {std::pair{out_offsets->typed_data(), expert_offsets.typed_data()},
+                          std::pair{out_counts->typed_data(), expert_counts.typed_data()}})
+    if (to != from && EL > 0)
+      (void)gpu::memcpy_device_to_device_async(to, from, size_t(EL) * sizeof(int32_t), stream);
+  gpu::launch_check_layout({expert_offsets.typed_data(), expert_counts.typed_data(),
+                            src_rank.typed_data(), src_token.typed_data(), topk_slot.typed_data(),
+                            EL, M, num_ranks, num_tokens, topk, w},
+                           stream);
+  LayoutFault f{};
+  (void)gpu::memcpy_device_to_host_async(&f, w + gpu::kCheckLayoutFault, sizeof(f), stream);
+  if (gpu::stream_synchronize(stream) != gpu::kSuccess) return last_error("check_layout");
+  JSM_RETURN_IF_ERROR(last_error("check_layout"));
+  if (f.rule == kLayoutOk) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(
+      "jax_sdma_moe.stage2: " + layout_fault_message(f, "out1.", M, num_ranks, num_tokens, topk));
 }
 
 }  // namespace gpu_handlers
@@ -282,7 +328,7 @@ inline ffi::Error CheckOverflowImpl(gpu::Stream stream, S32Scalar overflow, S32S
 
 // Defines the shared handlers' symbols of platform P (Cuda, Rocm) for its stream context and
 // window engines: JsmQuantizeP, JsmRouteP, JsmQpackP, JsmPackP, JsmDispatchP, JsmCheckOverflowP,
-// JsmCombineP, and JsmDispatchGraphP — the dispatch registered as command-buffer compatible, for
+// JsmCombineP, JsmCheckLayoutP, and JsmDispatchGraphP — the dispatch registered as command-buffer compatible, for
 // the engines with no host step per call (sm, sdma: their epoch lives on the device), so XLA may
 // capture them in CUDA / HIP graphs.
 #define JSM_DEFINE_GPU_HANDLERS(P, STREAM, ENGINES)                                           \
@@ -304,4 +350,7 @@ inline ffi::Error CheckOverflowImpl(gpu::Stream stream, S32Scalar overflow, S32S
                                 ::jsm::sig::check_overflow(                                   \
                                     ::xla::ffi::Ffi::Bind().Ctx<STREAM>()));                  \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmCombine##P, ::jsm::gpu_handlers::CombineImpl<ENGINES>,     \
-                                ::jsm::sig::combine<true>(::xla::ffi::Ffi::Bind().Ctx<STREAM>()))
+                                ::jsm::sig::combine<true>(::xla::ffi::Ffi::Bind().Ctx<STREAM>())); \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmCheckLayout##P, ::jsm::gpu_handlers::CheckLayoutImpl,      \
+                                ::jsm::sig::check_layout<true>(                               \
+                                    ::xla::ffi::Ffi::Bind().Ctx<STREAM>()))

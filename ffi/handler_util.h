@@ -74,5 +74,18 @@ inline ffi::Error wrong_engine(const char* target, EngineId engine, const char* 
                                      ") is not served here; this handler serves " + serves);
 }
 
+// stage1(check=True)'s failure: `dropped` rows routed over the axis did not fit M_cap (every rank
+// checks the same axis-wide count, so every rank fails here and none waits for one that left);
+// `rank` is one that dropped rows (-1: unknown).
+inline ffi::Error overflow_error(int64_t dropped, int64_t rank, int64_t cap) {
+  return ffi::Error(
+      ffi::ErrorCode::kResourceExhausted,
+      "jax_sdma_moe.stage1(check=True): " + std::to_string(dropped) +
+          " rows routed over the axis did not fit their rank's M_cap = " + std::to_string(cap) +
+          (rank >= 0 ? " (rank " + std::to_string(rank) + " dropped some)" : std::string()) +
+          ": Stage1Config.max_recv_rows is below what this routing needs; raise it, or leave "
+          "it None (M_cap then holds every row of any ids)");
+}
+
 }  // namespace handler
 }  // namespace jsm

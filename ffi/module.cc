@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "ffi/cpu_handlers.h"
+#include "ffi/runtime_registry.h"
 #include "kernels/common/ep_window.h"
 #include "kernels/rocm/sdma/window.h"
 #include "kernels/common/options.h"
@@ -44,7 +45,7 @@ PYBIND11_MODULE(_jsm_ffi, m) {
     return targets({{"quantize", JsmQuantizeCpu}, {"route", JsmRouteCpu}, {"qpack", JsmQpackCpu},
                     {"pack", JsmPackCpu}, {"dispatch", JsmDispatchCpu}, {"gemm1", JsmGemm1Cpu},
                     {"check_overflow", JsmCheckOverflowCpu}, {"gemm2", JsmGemm2Cpu},
-                    {"combine", JsmCombineCpu}});
+                    {"combine", JsmCombineCpu}, {"check_layout", JsmCheckLayoutCpu}});
   });
 #ifdef JSM_WITH_CUDA
   m.def("cuda_targets", [] {
@@ -54,7 +55,8 @@ PYBIND11_MODULE(_jsm_ffi, m) {
                     {"dispatch_gemm1", JsmDispatchGemm1Cuda},
                     {"dispatch_graph", JsmDispatchGraphCuda},
                     {"dispatch_gemm1_graph", JsmDispatchGemm1GraphCuda},
-                    {"gemm2", JsmGemm2Cuda}, {"combine", JsmCombineCuda}});
+                    {"gemm2", JsmGemm2Cuda}, {"combine", JsmCombineCuda},
+                    {"check_layout", JsmCheckLayoutCuda}});
   });
 #endif
 #ifdef JSM_WITH_ROCM
@@ -65,6 +67,7 @@ PYBIND11_MODULE(_jsm_ffi, m) {
                     {"check_overflow", JsmCheckOverflowRocm},
                     {"dispatch_graph", JsmDispatchGraphRocm},
                     {"gemm2", JsmGemm2Rocm}, {"combine", JsmCombineRocm},
+                    {"check_layout", JsmCheckLayoutRocm},
 #ifdef JSM_ROCM_FLYDSL
                     {"gemm1", JsmGemm1Rocm}, {"dispatch_gemm1", JsmDispatchGemm1Rocm},
                     {"dispatch_gemm1_graph", JsmDispatchGemm1GraphRocm},
@@ -119,6 +122,11 @@ PYBIND11_MODULE(_jsm_ffi, m) {
     return false;
 #endif
   });
+  // The liveness registry (ffi/runtime_registry.h): Runtime() opens its serial, close() and exit
+  // close it; a custom call of a closed Runtime's program fails with FAILED_PRECONDITION.
+  m.def("runtime_open", &jsm::runtime_registry::mark_open, py::arg("serial"));
+  m.def("runtime_close", &jsm::runtime_registry::mark_closed, py::arg("serial"));
+  m.def("runtime_is_open", &jsm::runtime_registry::is_open, py::arg("serial"));
   m.attr("ENGINE_IDS") = py::dict(
       py::arg("local") = int64_t(jsm::EngineId::kLocal), py::arg("cpu") = int64_t(jsm::EngineId::kCpu),
       py::arg("ce") = int64_t(jsm::EngineId::kCe), py::arg("sm") = int64_t(jsm::EngineId::kSm),

@@ -122,6 +122,7 @@ ffi::Error DispatchGemm1Impl(hipStream_t stream, ffi::AnyBuffer values, ffi::Any
                              ffi::Result<S32Scalar> num_rows, ffi::Result<S32Scalar> overflow,
                              ffi::RemainingRets rets, jsm::DispatchOptions opt,
                              jsm::Gemm1Options gemm_opt, bool token_rows) {
+  JSM_RETURN_IF_ERROR(jsm::runtime_registry::check_open(opt.runtime, "dispatch_gemm1 (ROCm)"));
   if (opt.engine != EngineId::kSdma)
     return jsm::handler::wrong_engine("dispatch_gemm1 (ROCm)", opt.engine, "engine sdma");
   JSM_RETURN_IF_ERROR(check_dtype(values, ffi::DataType::F8E4M3FN, "dispatch_gemm1 rows"));

@@ -27,11 +27,12 @@ auto quantize(B b) {
   return std::move(b).template Arg<Any>().template Ret<Any>().template Ret<Any>();
 }
 
-// (send_counts [R, EL], send_pos [T, K], num_invalid) <- ids [T, K]
+// (send_counts [R, EL], send_pos [T, K], num_invalid) <- ids [T, K]; attribute `runtime`: the
+// Runtime's serial in the liveness registry (ffi/runtime_registry.h; 0: not checked)
 template <class B>
 auto route(B b) {
   return std::move(b).template Arg<S32Mat>().template Ret<S32Mat>().template Ret<S32Mat>()
-      .template Ret<S32Scalar>();
+      .template Ret<S32Scalar>().template Attr<int64_t>("runtime");
 }
 
 // Helpers take the binding by reference (a Binding cannot be moved into a parameter) and
@@ -157,12 +158,31 @@ auto combine(B b) {
       .template Attr<int64_t>("topk");
 }
 
+// (expert_offsets, expert_counts) copied <- expert_offsets [EL], expert_counts [EL], src_rank,
+// src_token, topk_slot [M_cap], then (kWorkspace: the GPUs') the check's words; attributes
+// num_ranks, num_tokens, topk: the call fails naming the first field that breaks the §4 layout
+// (kernels/common/layout_check.h), and stage2 feeds the copies to gemm2, so it runs first
+template <bool kWorkspace = false, class B>
+auto check_layout(B b) {
+  return with_workspace<kWorkspace>([&] {
+           return std::move(b)
+               .template Arg<S32Vec>().template Arg<S32Vec>().template Arg<S32Vec>()
+               .template Arg<S32Vec>().template Arg<S32Vec>().template Ret<S32Vec>()
+               .template Ret<S32Vec>();
+         })
+      .template Attr<int64_t>("num_ranks")
+      .template Attr<int64_t>("num_tokens")
+      .template Attr<int64_t>("topk");
+}
+
 // overflow (passed through; the call fails if > 0) <- overflow, rank[, after: any buffer, never
 // read: it orders the check after the call that made it (jsm.moe checks after its combine)]
 template <class B>
+// (overflow, the arrays it guards) <- overflow [], rank [], the arrays it guards (aliased: the
+// results are the operands' buffers, so every use of them waits for the check)
 auto check_overflow(B b) {
-  return std::move(b).template Arg<S32Scalar>().template Arg<S32Scalar>()
-      .template OptionalArg<Any>().template Ret<S32Scalar>().template Attr<int64_t>("cap");
+  return std::move(b).template Arg<S32Scalar>().template Arg<S32Scalar>().RemainingArgs()
+      .template Ret<S32Scalar>().RemainingRets().template Attr<int64_t>("cap");
 }
 
 }  // namespace sig

@@ -8,10 +8,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import layout, primitives, reference
+from .config import INT32_MAX
 from .layout import BLOCK
 from .engines.base import STAGE2_ON_GPUS_ISSUE, Engine
 from .runtime import Runtime
-from .types import MXFP8, Landed, QuantizedW1, QuantizedW2, SendBuffer, Stage1Output
+from .types import (MXFP8, Landed, MoEStats, QuantizedW1, QuantizedW2, SendBuffer,
+                    Stage1Output)
 
 F8 = jnp.dtype(jnp.float8_e4m3fn)
 
@@ -74,7 +76,10 @@ def _check_inputs(x, ids, weights, w1q):
   T, H = xshape
   if H % BLOCK:
     raise ValueError(f"stage1: H = {H} must be a multiple of {BLOCK}")
-  if not jnp.issubdtype(ids.dtype, jnp.integer) or ids.ndim != 2 or ids.shape[0] != T:
+  if not hasattr(ids, "dtype") or not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise TypeError(f"stage1: ids must be an integer array [T={T}, K] (int32; other integer "
+                    f"dtypes are range-checked), got {getattr(ids, 'dtype', type(ids).__name__)}")
+  if ids.ndim != 2 or ids.shape[0] != T:
     raise ValueError(f"stage1: ids must be integer [T={T}, K], got {ids.dtype}{list(ids.shape)}")
   if weights is not None and (weights.shape != ids.shape or
                               not jnp.issubdtype(weights.dtype, jnp.floating)):
@@ -88,6 +93,9 @@ def _check_inputs(x, ids, weights, w1q):
     raise ValueError(f"stage1: w1q.values must be [E/R, 2I, H={H}] per shard, got "
                      f"{list(w1q.values.shape)}")
   EL, two_i, _ = w1q.values.shape
+  if EL < 1:
+    raise ValueError(f"stage1: w1q holds no experts on this rank ({list(w1q.values.shape)}): "
+                     f"every rank of the EP axis needs E/R >= 1 experts")
   if w1q.scales.shape != (EL, two_i, H // BLOCK):
     raise ValueError(f"stage1: w1q.scales must be {[EL, two_i, H // BLOCK]}, got "
                      f"{list(w1q.scales.shape)}")
@@ -117,12 +125,35 @@ def call_bytes(R: int, T: int, H: int, I: int, K: int, cap: int, out_dtype: str,
 
 def stage1(x: Union[jax.Array, MXFP8], topk, w1q: QuantizedW1, *, runtime: Runtime,
            check: bool = False) -> Stage1Output:
-  """Expert-parallel MoE Stage1 of this rank; call inside shard_map over runtime.axis_name.
+  """Expert-parallel MoE Stage1 of this rank, forward only (inference); call inside
+  jax.shard_map over runtime.axis_name (the Runtime's mesh).
 
-  x: [T, H] bfloat16 (quantised here) or MXFP8 (already quantised; uses `pack`).
-  topk: ids [T, K] int32, or (ids, weights [T, K] float32). ids < 0: no route; ids >= E: invalid.
-  w1q: this rank's experts, QuantizedW1 [E/R, 2I, H] (shard quantize_w1(w1) over the axis).
-  check: raise at run time if any row did not fit M_cap (overflow).
+  Args:
+    x: this rank's tokens, [T, H] bfloat16 (quantised here to MX-fp8), or an MXFP8 already
+      quantised (jsm.quantize).
+    topk: ids [T, K], or (ids, weights [T, K] float). ids are int32 (any integer dtype is
+      accepted and range-checked): -1 means no route; an id in [0, E) is an expert; any other
+      value is invalid — no row is made and it is counted in num_invalid. Repeated ids in a
+      token's top-k each make a row. weights default to 1.
+    w1q: this rank's experts, QuantizedW1 [E/R, 2I, H] (jsm.quantize_w1, then
+      runtime.shard_w1).
+    runtime: the jsm.Runtime made for this mesh axis (outside jit).
+    check: fail at run time, on every rank, if any rank's rows did not fit M_cap (only possible
+      with Stage1Config.max_recv_rows set: the default M_cap holds every row). The check is
+      kept whichever outputs the caller uses.
+
+  Returns:
+    Stage1Output: h [M_cap, I] (bf16, or MXFP8 with out_dtype="mxfp8") in the landing layout,
+    with its row headers, per-expert offsets and counts, and this rank's counts (num_rows,
+    num_invalid, overflow: rows routed here that did not fit M_cap).
+
+  Raises:
+    TypeError, ValueError: at trace time, for inputs of the wrong dtype or shape, a closed or
+    mismatched Runtime, sizes beyond the kernels' int32 indices, or buffers beyond the device's
+    memory. At run time (XlaRuntimeError): RESOURCE_EXHAUSTED from check=True;
+    DEADLINE_EXCEEDED when a peer does not arrive within Stage1Config.timeout_s;
+    FAILED_PRECONDITION when the Runtime was closed after compilation. jax.grad / jax.jvp
+    through it raise NotImplementedError: the layer has no derivative.
   """
   _check_runtime(runtime, "stage1")
   cfg, R, axis = runtime.config, runtime.num_ranks, runtime.axis_name
@@ -130,6 +161,7 @@ def stage1(x: Union[jax.Array, MXFP8], topk, w1q: QuantizedW1, *, runtime: Runti
   T, H, K, EL = _check_inputs(x, ids, weights, w1q)
   _check_axis(runtime, "stage1")
   cap = layout.m_cap(R, T, K, EL, cfg.row_align, cfg.max_recv_rows)
+  _check_int32(what="stage1", send_rows=T * K, m_cap=cap, rows_to_one_rank=R * T * K)
   I = w1q.values.shape[1] // 2
   workspace = (layout.workspace_bytes(layout.gemm1_workspace(cap, H, I, EL))
                if runtime.platform == "cuda" else 0)  # (the CUDA gemm1's, DESIGN §5)
@@ -140,28 +172,57 @@ def stage1(x: Union[jax.Array, MXFP8], topk, w1q: QuantizedW1, *, runtime: Runti
   runtime.check_memory(f"T = {T} tokens of H = {H} with M_cap = {cap} landing rows",
                        call_bytes(R, T, H, I, K, cap, cfg.out_dtype, token_rows) + workspace +
                        windows)
-  ids = ids.astype(jnp.int32)
+  ids = layout.canonical_ids(ids, R * EL)
   weights = jnp.ones(ids.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
   rank = lax.axis_index(axis)
 
-  route = primitives.route(ids, R, EL)
+  route = primitives.route(ids, R, EL, runtime=runtime.serial)
   if isinstance(x, MXFP8):
     send = primitives.pack(x, weights, route.send_pos, token_rows=token_rows)
   else:
     send = primitives.qpack(x, weights, route.send_pos, token_rows=token_rows)
+  axis_wide = check and runtime.engine.counts_overflow_axis_wide
   landed, h = runtime.engine.dispatch_gemm1(send, route.send_counts, rank, w1q, cap=cap,
-                                            token_rows=token_rows)
-  # check=True fails inside the computation (an FFI error), which works on every platform; the
-  # count passes through the check so XLA cannot drop it
-  overflow = primitives.check_overflow(landed.overflow, rank, cap) if check else landed.overflow
-  return Stage1Output(h, landed.expert_offsets, landed.expert_counts, landed.src_rank,
-                      landed.src_token, landed.topk_slot, landed.topk_weight, landed.num_rows,
-                      route.num_invalid, overflow, route.send_pos)
+                                            token_rows=token_rows, axis_overflow=axis_wide)
+  out = Stage1Output(h, landed.expert_offsets, landed.expert_counts, landed.src_rank,
+                     landed.src_token, landed.topk_slot, landed.topk_weight, landed.num_rows,
+                     route.num_invalid, landed.overflow, route.send_pos)
+  return _check_overflow(runtime, out, rank, cap, axis_wide) if check else out
+
+
+def _check_overflow(runtime: Runtime, out: Stage1Output, rank: jax.Array, cap: int,
+                    axis_wide: bool) -> Stage1Output:
+  """stage1(check=True): the rows dropped over the whole axis, checked on every rank, with every
+  array of `out` passing through the check (aliased, no copy) so that it runs whichever of them
+  the caller uses. Every rank fails at the same point of the same program, so none is left
+  waiting in a later exchange (stage2's combine, an XLA collective) for a rank that has left.
+  Engines whose dispatch holds every rank's plan count the axis-wide drop there
+  (counts_overflow_axis_wide); for the others stage1 gathers the ranks' counts. The checked
+  count, out.overflow, is 0 whenever the call succeeds."""
+  if axis_wide:
+    dropped, first = out.overflow, jnp.int32(-1)
+  else:
+    each = lax.all_gather(out.overflow, runtime.axis_name)  # [R]
+    dropped = jnp.sum(each).astype(jnp.int32)
+    first = jnp.where(jnp.any(each > 0), jnp.argmax(each > 0), -1).astype(jnp.int32)
+  leaves, tree = jax.tree.flatten(out._replace(overflow=None))
+  checked, leaves = primitives.check_overflow(dropped, first, cap, leaves)
+  return jax.tree.unflatten(tree, leaves)._replace(overflow=checked)
+
+
+def _check_int32(what: str, **sizes: int) -> None:
+  """The kernels index rows with int32: refuse a call whose sizes would not fit."""
+  for name, n in sizes.items():
+    if n > INT32_MAX:
+      raise ValueError(f"{what}: {name} = {n} exceeds the kernels' int32 row indices "
+                       f"(2**31 - 1); use fewer tokens per call or a smaller max_recv_rows")
 
 
 def _check_runtime(runtime, what: str) -> None:
   if not isinstance(runtime, Runtime):
     raise TypeError(f"{what}: runtime= must be a jax_sdma_moe.Runtime")
+  if runtime.closed:
+    raise ValueError(f"{what}: the Runtime is closed ({runtime!r}); make a new one")
 
 
 def _check_axis(runtime: Runtime, what: str) -> None:
@@ -169,8 +230,17 @@ def _check_axis(runtime: Runtime, what: str) -> None:
   R, axis = runtime.num_ranks, runtime.axis_name
   try:
     axis_size = lax.axis_size(axis)
-  except NameError as e:
-    raise ValueError(f"{what} must be called inside jax.shard_map over axis {axis!r}") from e
+  except NameError:
+    try:  # the axes in scope, for the message only
+      from jax._src import core
+      axes = tuple(core.unsafe_get_axis_names())
+    except Exception:  # pragma: no cover - a jax without it: the message names ours alone
+      axes = None
+    seen = (f"the axes in scope are {axes}" if axes else "no named axis is in scope (not inside "
+            "jax.shard_map?)")
+    raise ValueError(f"{what}: the Runtime is for mesh axis {axis!r}, but {seen}; call it inside "
+                     f"jax.shard_map over the Runtime's mesh, or make the Runtime with "
+                     f"axis_name= the shard_map's EP axis") from None
   if axis_size != R:
     raise ValueError(f"{what}: axis {axis!r} has {axis_size} ranks but the Runtime has {R}")
 
@@ -214,10 +284,20 @@ def _check_stage1_output(out1) -> Tuple[int, int, int, int, int]:
                        f"{getattr(h, 'dtype', type(h).__name__)}{list(getattr(h, 'shape', []))}")
     shape = h.shape
   M, I = shape
+  if getattr(out1.expert_offsets, "ndim", None) != 1 or out1.expert_offsets.shape[0] < 1:
+    raise ValueError(f"stage2: out1.expert_offsets must be [E/R >= 1] int32, got "
+                     f"{list(getattr(out1.expert_offsets, 'shape', []))}")
   EL = out1.expert_offsets.shape[0]
-  fields = ("src_rank", "src_token", "topk_slot", "topk_weight")
-  if any(getattr(out1, f).shape != (M,) for f in fields):
-    raise ValueError(f"stage2: out1's {', '.join(fields)} must be [M_cap = {M}] like out1.h")
+  want = {"expert_offsets": ((EL,), jnp.int32), "expert_counts": ((EL,), jnp.int32),
+          "src_rank": ((M,), jnp.int32), "src_token": ((M,), jnp.int32),
+          "topk_slot": ((M,), jnp.int32), "topk_weight": ((M,), jnp.float32),
+          "send_pos": (tuple(out1.send_pos.shape), jnp.int32)}
+  for f, (shp, dtype) in want.items():
+    a = getattr(out1, f)
+    if getattr(a, "shape", None) != shp or getattr(a, "dtype", None) != dtype:
+      raise ValueError(f"stage2: out1.{f} must be {jnp.dtype(dtype).name}{list(shp)} (M_cap = "
+                       f"{M} rows like out1.h, E/R = {EL} experts), got "
+                       f"{getattr(a, 'dtype', type(a).__name__)}{list(getattr(a, 'shape', []))}")
   return M, I, EL, *out1.send_pos.shape
 
 
@@ -229,14 +309,29 @@ def stage2_bytes(M: int, T: int, K: int, H: int, I: int) -> int:
 
 
 def stage2(out1: Stage1Output, w2q: QuantizedW2, *, runtime: Runtime) -> jax.Array:
-  """Expert-parallel MoE Stage2 of this rank; call inside shard_map over runtime.axis_name, on the
-  Stage1Output of jsm.stage1 (by a Runtime of the same axis) in the same shard_map.
+  """Expert-parallel MoE Stage2 of this rank, forward only (inference); call inside
+  jax.shard_map over runtime.axis_name, on the Stage1Output of jsm.stage1 (by a Runtime of the
+  same axis) in the same shard_map.
 
   GEMM2 of every landed row (q(h) along I, or Stage1's MX-fp8 bytes, times its expert's w2), then
   the combine: each row back to its source rank, weighted by its top-k weight and summed per token
-  in float32 (DESIGN.md §3). Returns y [T, H] bf16 of this rank's tokens; a token with no routed
-  row gets exact zeros.
-  w2q: this rank's experts, QuantizedW2 [E/R, H, I] (shard quantize_w2(w2) over the axis).
+  in float32.
+
+  Args:
+    out1: this rank's Stage1Output. Its layout (expert offsets and counts, row headers) is
+      checked before anything indexes with it: a modified one fails with an error naming the
+      field. Engine ce returns rows by the plan of its latest dispatch of that geometry, and
+      fails on any other Stage1Output whose rows differ.
+    w2q: this rank's experts, QuantizedW2 [E/R, H, I] (jsm.quantize_w2, then runtime.shard_w2).
+    runtime: the Runtime stage1 ran with.
+
+  Returns:
+    y [T, H] bf16 of this rank's tokens; a token with no routed row gets exact zeros.
+
+  Raises:
+    TypeError, ValueError: at trace time (as stage1). At run time (XlaRuntimeError):
+    INVALID_ARGUMENT for a modified Stage1Output; DEADLINE_EXCEEDED when a peer does not return
+    its rows within timeout_s; FAILED_PRECONDITION for a Runtime closed after compilation.
   """
   _check_runtime(runtime, "stage2")
   M, I, EL, T, K = _check_stage1_output(out1)
@@ -288,22 +383,35 @@ def _check_stage2_built(runtime: Runtime) -> None:
 
 
 def moe(x: Union[jax.Array, MXFP8], topk, w1q: QuantizedW1, w2q: QuantizedW2, *,
-        runtime: Runtime, check: bool = False) -> jax.Array:
-  """The whole expert-parallel MoE layer of this rank: stage2(stage1(x, topk, w1q), w2q) in one
-  call inside shard_map over runtime.axis_name. Returns y [T, H] bf16:
-  y[t] = sum over the valid slots k of weights[t, k] * expert(ids[t, k])(x[t]) (DESIGN.md §3).
-  Arguments as stage1 and stage2; w2q [E/R, H, I] is checked against x and w1q first.
+        runtime: Runtime, check: bool = False, return_stats: bool = False):
+  """The whole expert-parallel MoE layer of this rank, forward only (inference):
+  stage2(stage1(x, topk, w1q), w2q) in one call inside jax.shard_map over runtime.axis_name.
+
+  Args:
+    x, topk, w1q, runtime, check: as jsm.stage1.
+    w2q: this rank's experts of the down projection, QuantizedW2 [E/R, H, I] (quantize_w2, then
+      runtime.shard_w2), checked against x and w1q.
+    return_stats: also return this rank's MoEStats (rows landed, invalid ids, overflow, rows per
+      local expert) as device arrays, with no host synchronisation.
+
+  Returns:
+    y [T, H] bf16: y[t] = sum over the valid slots k of weights[t, k] * expert(ids[t, k])(x[t]),
+    in float32, rounded once (a token with no valid slot gets zeros); or (y, MoEStats) with
+    return_stats.
+
+  Raises:
+    TypeError, ValueError: at trace time, for inputs or a Runtime that cannot work (as stage1).
+    At run time (XlaRuntimeError): with check=True, RESOURCE_EXHAUSTED on every rank if any
+    rank's rows did not fit M_cap; a peer's wait running past timeout_s (DEADLINE_EXCEEDED,
+    naming rank and peer); FAILED_PRECONDITION if the Runtime was closed since compilation.
+    jax.grad / jax.jvp through it raise: the layer has no derivative.
   """
   _check_runtime(runtime, "moe")
   ids, weights = _split_topk(topk)
   _, H, _, EL = _check_inputs(x, ids, weights, w1q)
   _check_w2(w2q, EL, w1q.values.shape[1] // 2, "moe", H)
-  out1 = stage1(x, topk, w1q, runtime=runtime)
+  out1 = stage1(x, topk, w1q, runtime=runtime, check=check)
   y = stage2(out1, w2q, runtime=runtime)
-  if check:
-    # checked once y exists: a rank whose rows overflowed fails only after it has taken part in
-    # the combine, so no peer waits there for it until its timeout
-    overflow = primitives.check_overflow(out1.overflow, lax.axis_index(runtime.axis_name),
-                                         out1.src_rank.shape[0], after=y)
-    y, _ = lax.optimization_barrier((y, overflow))  # the check's count used: JAX keeps the call
+  if return_stats:
+    return y, MoEStats(out1.num_rows, out1.num_invalid, out1.overflow, out1.expert_counts)
   return y

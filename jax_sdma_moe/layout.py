@@ -12,10 +12,30 @@ BLOCK = 32  # MX block: elements per e8m0 scale
 
 def m_cap(num_ranks: int, tokens: int, topk: int, experts_per_rank: int, row_align: int,
           max_recv_rows: Optional[int] = None) -> int:
-  """Landing capacity per rank: the dropless worst case R*T*min(K, EL) + EL*(row_align-1)."""
+  """Landing capacity per rank: max_recv_rows, or the dropless worst case R*T*K +
+  EL*(row_align-1) — every row of every source on one rank, each expert's start aligned. It holds
+  any ids, repeated ids within a token's top-k included (a token then sends several rows to one
+  expert); R*T*min(K, EL) would hold distinct ids only."""
   if max_recv_rows is not None:
     return max_recv_rows
-  return num_ranks * tokens * min(topk, experts_per_rank) + experts_per_rank * (row_align - 1)
+  return num_ranks * tokens * topk + experts_per_rank * (row_align - 1)
+
+
+def canonical_ids(ids, num_experts: int):
+  """Top-k ids of any integer dtype -> int32 in the meaning the custom calls read: -1 (no route)
+  stays -1, an id in [0, E) is its expert, and every other value — below -1, at or above E, or
+  beyond int32 (wide and unsigned dtypes are compared before the cast) — becomes E: invalid,
+  counted in num_invalid, no row made."""
+  ids = jnp.asarray(ids)
+  E = int(num_experts)
+  signed = jnp.issubdtype(ids.dtype, jnp.signedinteger)
+  in_range = jnp.ones(ids.shape, bool)
+  if signed:
+    in_range = ids >= 0
+  if E <= jnp.iinfo(ids.dtype).max:  # compared in the ids' own dtype, before any cast
+    in_range = in_range & (ids < E)
+  out = jnp.where(in_range, ids.astype(jnp.int32), jnp.int32(E))
+  return jnp.where(ids == -1, jnp.int32(-1), out) if signed else out
 
 
 def landing_row_bytes(hidden: int) -> int:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
-from jax.interpreters import mlir
+from jax.interpreters import ad, mlir
 
 from .layout import (BLOCK, GEMM_TILE_TOKENS, combine_workspace, gemm1_workspace,
                      gemm2_workspace)
@@ -126,25 +126,37 @@ def _aval(shape, dtype):
   return jax.core.ShapedArray(tuple(int(s) for s in shape), dtype)
 
 
+def _forward_only(name, primals, tangents, **params):
+  """Every primitive's JVP rule: the layer is forward-only (inference), and says so."""
+  raise NotImplementedError(
+      f"jax_sdma_moe is forward-only (inference): {name} has no derivative, so jax.grad, "
+      f"jax.jvp and jax.vjp cannot differentiate through jsm.stage1, stage2, moe or quantize. "
+      f"Keep the layer out of the differentiated path (jax.lax.stop_gradient on its inputs), or "
+      f"train with a differentiable MoE")
+
+
 def _make(stage: str, abstract_eval, attrs=lambda params: {}, graph_target: bool = False,
-          gpu_workspace=None, workspace_platforms=("cuda",)):
+          gpu_workspace=None, workspace_platforms=("cuda",), aliases=lambda params: None):
   """The primitive of one stage. attrs(params) -> the FFI attributes of a lowering.
   gpu_workspace(*avals_in, **params) -> ((shape, dtype), ...): results the GPU handler writes as
   scratch after the primitive's own, allocated by XLA and dropped at lowering, on the platforms
-  of workspace_platforms."""
+  of workspace_platforms. aliases(params) -> {operand: result} buffers shared (or None)."""
   prim = Primitive(TARGET_PREFIX + stage)
   prim.multiple_results = True
   prim.def_abstract_eval(abstract_eval)
   # eager calls run the primitive as a one-op jit
   prim.def_impl(lambda *args, **params: jax.jit(functools.partial(prim.bind, **params))(*args))
+  ad.primitive_jvps[prim] = functools.partial(_forward_only, prim.name)
   side_effect = stage in SIDE_EFFECTS
-  rules = {False: jax.ffi.ffi_lowering(TARGET_PREFIX + stage, has_side_effect=side_effect)}
+  targets = {False: TARGET_PREFIX + stage}
   if graph_target:
-    rules[True] = jax.ffi.ffi_lowering(TARGET_PREFIX + stage + GRAPH_TARGET,
-                                       has_side_effect=side_effect)
+    targets[True] = TARGET_PREFIX + stage + GRAPH_TARGET
 
   def lowering(ctx, *args, **params):
-    return rules[bool(params.get("graph", False))](ctx, *args, **attrs(params))
+    rule = jax.ffi.ffi_lowering(targets[bool(params.get("graph", False))],
+                                has_side_effect=side_effect,
+                                operand_output_aliases=aliases(params))
+    return rule(ctx, *args, **attrs(params))
 
   def workspace_lowering(ctx, *args, **params):
     extra = tuple(_aval(shape, dtype) for shape, dtype in gpu_workspace(*ctx.avals_in, **params))
@@ -174,14 +186,16 @@ def quantize(x: jax.Array) -> MXFP8:
 
 # --- route -----------------------------------------------------------------------------------
 
-_route_p = _make("route", lambda ids, *, num_ranks, experts_per_rank: (
+_route_p = _make("route", lambda ids, *, num_ranks, experts_per_rank, runtime: (
     _aval((num_ranks, experts_per_rank), jnp.int32), _aval(ids.shape, jnp.int32),
-    _aval((), jnp.int32)))
+    _aval((), jnp.int32)), lambda p: {"runtime": np.int64(p["runtime"])})
 
 
-def route(ids: jax.Array, num_ranks: int, experts_per_rank: int) -> Route:
+def route(ids: jax.Array, num_ranks: int, experts_per_rank: int, *, runtime: int = 0) -> Route:
+  """runtime: the Runtime's serial in the liveness registry (a closed one fails the call); 0: no
+  Runtime (not checked)."""
   return Route(*_bind(_route_p, ids, num_ranks=int(num_ranks),
-                      experts_per_rank=int(experts_per_rank)))
+                      experts_per_rank=int(experts_per_rank), runtime=int(runtime)))
 
 
 # --- qpack / pack ----------------------------------------------------------------------------
@@ -348,14 +362,55 @@ def combine(rows: jax.Array, src_rank: jax.Array, token: jax.Array, slot: jax.Ar
 
 # --- check_overflow (stage1(check=True)) -----------------------------------------------------
 
-_check_overflow_p = _make("check_overflow", lambda overflow, rank, *after, cap: (
-    _aval((), jnp.int32),), lambda p: {"cap": np.int64(p["cap"])})
+_check_overflow_p = _make(
+    "check_overflow", lambda overflow, rank, *guarded, cap, num_guarded: (
+        _aval((), jnp.int32), *guarded),
+    lambda p: {"cap": np.int64(p["cap"])},
+    aliases=lambda p: {2 + i: 1 + i for i in range(p["num_guarded"])})
 
 
-def check_overflow(overflow: jax.Array, rank: jax.Array, cap: int,
-                   after: Optional[jax.Array] = None) -> jax.Array:
-  """Passes `overflow` through; the call fails at run time, naming the rank, if it is > 0.
-  after: an array the check must wait for (an operand it never reads; XLA:CPU drops an
-  optimization barrier's order): jsm.moe checks after its combine."""
-  return _bind(_check_overflow_p, overflow, rank.astype(jnp.int32),
-               *(() if after is None else (after,)), cap=int(cap))[0]
+def check_overflow(overflow: jax.Array, rank: jax.Array, cap: int, guarded=()):
+  """stage1(check=True): fails at run time if `overflow` (the rows dropped over the whole axis:
+  every rank checks the same count) is > 0, naming `rank` (one that dropped rows; -1 if
+  unknown). Returns (overflow, guarded): the arrays of `guarded` pass through, their buffers
+  aliased (no copy), so that whichever of them the caller uses, XLA runs the check first — a
+  check tied to the count alone would be dropped with it where the caller does not use it."""
+  guarded = tuple(guarded)
+  outs = _bind(_check_overflow_p, overflow, rank.astype(jnp.int32), *guarded, cap=int(cap),
+               num_guarded=len(guarded))
+  return outs[0], tuple(outs[1:])
+
+
+# --- check_layout (stage2: out1's layout checked before gemm2 and the combine index with it) ---
+
+
+def check_layout_words(num_ranks: int, num_tokens: int, topk: int) -> int:
+  """The GPU check's workspace, uint32 words (kernels/common/gpu_stage2.h check_layout_words):
+  its header, then one bit per (src_rank, src_token, topk_slot)."""
+  return 8 + (num_ranks * num_tokens * topk + 31) // 32
+
+
+_check_layout_p = _make(
+    "check_layout", lambda offsets, counts, src_rank, token, slot, *, num_ranks, num_tokens, topk: (
+        _aval(offsets.shape, jnp.int32), _aval(counts.shape, jnp.int32)),
+    lambda p: {"num_ranks": np.int64(p["num_ranks"]), "num_tokens": np.int64(p["num_tokens"]),
+               "topk": np.int64(p["topk"])},
+    gpu_workspace=lambda *avals, num_ranks, num_tokens, topk: (
+        ((check_layout_words(num_ranks, num_tokens, topk),), jnp.uint32),),
+    workspace_platforms=("cuda", "rocm"))  # both GPU handlers: gpu_handlers.h CheckLayoutImpl
+
+
+def check_layout(expert_offsets: jax.Array, expert_counts: jax.Array, src_rank: jax.Array,
+                 src_token: jax.Array, topk_slot: jax.Array, *, num_ranks: int, num_tokens: int,
+                 topk: int):
+  """Checks a Stage1Output's §4 layout before Stage2 indexes with it: the call fails at run time
+  (InvalidArgument naming the field, index and value: kernels/common/layout_check.h) where an
+  expert's rows leave [0, M_cap), decrease or overlap the next's, or a row's src_rank is outside
+  [-1, num_ranks), its src_token outside [0, num_tokens) or topk_slot outside [0, topk) (rows
+  with src_rank >= 0), or two rows return to one (src_rank, src_token, topk_slot). Returns
+  copies of (expert_offsets, expert_counts): feed them to gemm2 so that the check runs first."""
+  offsets, counts = _bind(_check_layout_p, expert_offsets.astype(jnp.int32),
+                          expert_counts.astype(jnp.int32), src_rank.astype(jnp.int32),
+                          src_token.astype(jnp.int32), topk_slot.astype(jnp.int32),
+                          num_ranks=int(num_ranks), num_tokens=int(num_tokens), topk=int(topk))
+  return offsets, counts

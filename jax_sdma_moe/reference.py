@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .layout import BLOCK, landing_layout
+from .layout import BLOCK, canonical_ids, landing_layout
 from .types import MXFP8, Landed, QuantizedW1, QuantizedW2, Route, SendBuffer, Stage1Output
 
 INV_448 = np.uint32(0x3B124925).view(np.float32)  # float32(1/448), DESIGN.md §3 step 2
@@ -68,7 +68,7 @@ def quantize_w1(w1: jax.Array) -> QuantizedW1:
 def route(ids: jax.Array, num_ranks: int, experts_per_rank: int) -> Route:
   """Send counts per (destination, local expert) and each (token, slot)'s send row."""
   E = num_ranks * experts_per_rank
-  flat = ids.reshape(-1)
+  flat = canonical_ids(ids, E).reshape(-1)
   valid = (flat >= 0) & (flat < E)
   onehot = (flat[:, None] == jnp.arange(E)[None, :]) & valid[:, None]
   counts = onehot.sum(0).astype(jnp.int32)
@@ -109,7 +109,7 @@ def dispatch(x: MXFP8, ids: jax.Array, weights: jax.Array, num_experts: int, row
   E = num_experts
   EL = E // R
   H = x.values.shape[-1]
-  flat = ids.reshape(-1)
+  flat = canonical_ids(ids, E).reshape(-1)
   valid = (flat >= 0) & (flat < E)
   gid = jnp.clip(flat, 0, E - 1)
   onehot = (flat[:, None] == jnp.arange(E)[None, :]) & valid[:, None]
@@ -227,6 +227,7 @@ def stage1(x, ids: jax.Array, weights: Optional[jax.Array], w1: QuantizedW1, *, 
   if E % R:
     raise ValueError(f"reference.stage1: E = {E} is not a multiple of R = {R}")
   EL = E // R
+  ids = canonical_ids(ids, E)
   if weights is None:
     weights = jnp.ones(ids.shape, jnp.float32)
   xq = x if isinstance(x, MXFP8) else quantize(x)

@@ -12,7 +12,7 @@ from typing import Optional
 import jax
 from jax.sharding import Mesh
 
-from . import engines, primitives
+from . import _testing, engines, primitives
 from .config import Stage1Config
 
 _runtime_serial = itertools.count(1)  # the same in every process: Runtimes are made in one order
@@ -106,13 +106,21 @@ class Runtime:
         has_cuda=self.platform == "cuda" and (self.lowering_only or
                                               primitives.extension().has_cuda()))
     engine_cls.check_mesh(self)
-    if not -1 <= config.fault_absent_rank < self.num_ranks or not (
-        -1 <= config.fault_delay_rank < self.num_ranks):
-      raise ValueError("Runtime: fault_*_rank must be -1 or a rank of the axis")
+    self._faults = _testing.NO_FAULTS  # the library's own tests set them (_testing.py)
     self._lock = threading.Lock()
     self._closed = False
     self.engine = engine_cls(self)
     _open_runtimes.add(self)
+    # the liveness registry: a program of this Runtime fails once it is closed (ffi/
+    # runtime_registry.h); the module is kept for _close_at_exit
+    self._ext = primitives.extension()
+    self._ext.runtime_open(self.serial)
+
+  @property
+  def closed(self) -> bool:
+    """Whether close() has run: every later call fails (at trace time, or for a program compiled
+    before, at run time with FAILED_PRECONDITION "Runtime is closed")."""
+    return self._closed
 
   def check_memory(self, what: str, nbytes: int) -> None:
     """Raises ValueError (at trace time) if one call's buffers of nbytes per rank would take more
@@ -155,6 +163,7 @@ class Runtime:
         return
       self._closed = True
       _wait_for_mesh(self.mesh)
+      self._ext.runtime_close(self.serial)  # the calls enqueued later fail: Runtime is closed
       self.engine.close()
       _open_runtimes.discard(self)
 
@@ -164,6 +173,7 @@ class Runtime:
     with self._lock:
       if not self._closed:
         self._closed = True
+        self._ext.runtime_close(self.serial)
         self.engine.close_at_exit()
 
   def __del__(self):

@@ -31,8 +31,10 @@ class Stage1Output(NamedTuple):
   expert_offsets, expert_counts: [EL] int32; local expert e owns rows
     [expert_offsets[e], expert_offsets[e] + expert_counts[e]).
   src_rank, src_token, topk_slot: [M_cap] int32 (-1 on padding rows); topk_weight [M_cap] f32.
-  num_rows: rows landed here. num_invalid: ids >= E among this rank's own tokens (no row made).
-  overflow: rows routed here that did not fit M_cap (0 when dropless).
+  num_rows: rows landed here. num_invalid: ids outside [-1, E) among this rank's own tokens (no
+  row made). overflow: rows routed here that did not fit M_cap (always 0 with the default M_cap,
+  which holds every row of any ids; with stage1(check=True), the rows dropped over the whole
+  axis, which the check requires to be 0).
   send_pos: [T, K] int32, this rank's own (token, slot)s: the row of each in its send buffer, -1
     where it made none (no route, invalid id). Stage2 reads T and K from it.
   """
@@ -77,3 +79,18 @@ class Landed(NamedTuple):
   expert_counts: jax.Array   # [EL] int32
   num_rows: jax.Array        # [] int32
   overflow: jax.Array        # [] int32
+
+
+class MoEStats(NamedTuple):
+  """What jsm.moe(..., return_stats=True) returns beside y: this rank's Stage1 counts, as device
+  arrays (no host synchronisation; usable inside CUDA graphs and jit).
+
+  num_rows: [] int32, rows landed on this rank. num_invalid: [] int32, this rank's (token, slot)s
+  whose id was outside [-1, E) (no row made). overflow: [] int32, rows routed here that did not
+  fit M_cap (always 0 with the default, dropless M_cap). expert_counts: [E/R] int32, rows per
+  local expert.
+  """
+  num_rows: jax.Array
+  num_invalid: jax.Array
+  overflow: jax.Array
+  expert_counts: jax.Array

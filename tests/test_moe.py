@@ -12,12 +12,13 @@ from absl.testing import absltest, parameterized
 from jax.sharding import PartitionSpec as P
 
 import jax_sdma_moe as jsm
+from jax_sdma_moe._testing import inject_faults
 
 SMALL = jsm.SHAPES["small"]
 R = _util.NUM_DEVICES
 def run_moe(tc, *, engine="cpu", num_ranks=R, T=16, H=SMALL.hidden, I=SMALL.intermediate,
             E=SMALL.num_experts, K=SMALL.topk, routing="uniform", prequantized=False,
-            with_weights=True, **cfg_kw):
+            with_weights=True, faults=None, **cfg_kw):
   r = _util.rng()
   m = _util.mesh(num_ranks)
   cfg = jsm.Stage1Config(engine=engine, timeout_s=30.0, **{"row_align": 16, **cfg_kw})
@@ -27,6 +28,8 @@ def run_moe(tc, *, engine="cpu", num_ranks=R, T=16, H=SMALL.hidden, I=SMALL.inte
   if prequantized:
     x = jsm.quantize(x)
   with jsm.Runtime(m, "ep", cfg) as rt:
+    if faults:
+      inject_faults(rt, **faults)
     y = _util.moe_fn(m, rt, with_weights)(*_util.shard(m, (x, ids, w)), *_util.shard(m, (w1q, w2q)))
   tc.assertEqual((y.shape, y.dtype), ((num_ranks * T, H), jnp.bfloat16))
   ref = _util.reference_y(x, ids, w if with_weights else None, w1q, w2q, num_ranks, cfg, T)
@@ -114,7 +117,7 @@ class MoeTest(parameterized.TestCase):
     with jsm.Runtime(m, "ep", cfg) as rt:
       f = _util.moe_fn(m, rt, check=True)
       t0 = time.monotonic()
-      with self.assertRaisesRegex(Exception, "did not fit M_cap = 100"):
+      with self.assertRaisesRegex(Exception, "did not fit their rank.s M_cap = 100"):
         jax.block_until_ready(f(*_util.shard(m, (x, ids, w, w1q, _util.make_w2q(r, E, H, I)))))
       self.assertLess(time.monotonic() - t0, 30.0, "the check waited for a peer's timeout")
 
@@ -148,7 +151,7 @@ class MoeTest(parameterized.TestCase):
 
   def test_delayed_rank(self):
     """One rank starts each exchange 300 ms late: the others wait for it; the result is exact."""
-    run_moe(self, engine="cpu", fault_delay_rank=5, fault_delay_ms=300)
+    run_moe(self, engine="cpu", faults=dict(delay_rank=5, delay_ms=300))
 
   def test_absent_peer_times_out_in_the_combine(self):
     """A rank that never takes part in the combine: its peers' bounded waits run out, naming it."""
@@ -158,8 +161,8 @@ class MoeTest(parameterized.TestCase):
     x, ids, w, w1q = _util.make_problem(r, R, T, H, I, E, K)
     w2q = _util.make_w2q(r, E, H, I)
     with jsm.Runtime(m, "ep", jsm.Stage1Config(engine="cpu")) as rt1, \
-        jsm.Runtime(m, "ep", jsm.Stage1Config(engine="cpu", timeout_s=0.5,
-                                              fault_absent_rank=3)) as rt2:
+        jsm.Runtime(m, "ep", jsm.Stage1Config(engine="cpu", timeout_s=0.5)) as rt2:
+      inject_faults(rt2, absent_rank=3)
       def body(x, ids, w, w1q, w2q):
         return jsm.stage2(jsm.stage1(x, (ids, w), w1q, runtime=rt1), w2q, runtime=rt2)
       f = jax.jit(jax.shard_map(body, mesh=m, in_specs=P("ep"), out_specs=P("ep")))

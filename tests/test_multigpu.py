@@ -13,6 +13,7 @@ from absl.testing import absltest, parameterized
 from jax.sharding import PartitionSpec as P
 
 import jax_sdma_moe as jsm
+from jax_sdma_moe._testing import inject_faults
 from jax_sdma_moe import reference
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -103,22 +104,23 @@ class MultiGpuStage1Test(parameterized.TestCase):
   def w1q(self, name):
     return _util.random_w1q(name, GPUS[0])
 
-  def run_engines(self, shape_name, inputs, engines=ENGINES, **cfg_kw):
+  def run_engines(self, shape_name, inputs, engines=ENGINES, faults=None):
     s = jsm.SHAPES[shape_name]
     mesh = gpu_mesh()
     w1q = self.w1q(shape_name)
     outs = {}
     for engine in engines:
-      if cfg_kw:  # fault injection: a Runtime of its own
-        cfg = jsm.Stage1Config(engine=engine, swiglu_limit=s.swiglu_limit, **cfg_kw)
+      if faults:  # fault injection: a Runtime of its own
+        cfg = jsm.Stage1Config(engine=engine, swiglu_limit=s.swiglu_limit)
         rt = jsm.Runtime(mesh, "ep", cfg)
+        inject_faults(rt, **faults)
         f = _util.stage1_fn(mesh, rt)
       else:
         rt, f = default_stage1(engine, shape_name)
         cfg = rt.config
       outs[engine] = jax.tree.map(np.asarray, f(*_util.shard(mesh, inputs), rt.shard_w1(w1q)))
       rt.check()
-      if cfg_kw:
+      if faults:
         rt.close()
     return outs, cfg
 
@@ -212,7 +214,7 @@ class MultiGpuStage1Test(parameterized.TestCase):
     r = _util.rng()
     x, ids, w = problem(r, jsm.SHAPES["small"], 128, "uniform")
     outs, _ = self.run_engines("small", (x, ids, w), engines=("xla", engine),
-                               fault_delay_rank=1, fault_delay_ms=300)
+                               faults=dict(delay_rank=1, delay_ms=300))
     for name, a, b in zip(outs["xla"]._fields, outs["xla"], outs[engine]):
       np.testing.assert_array_equal(_util.as_bytes(a), _util.as_bytes(b), err_msg=name)
 
@@ -232,10 +234,11 @@ class MultiGpuStage1Test(parameterized.TestCase):
     r = _util.rng()
     s = jsm.SHAPES["small"]
     mesh = gpu_mesh()
-    cfg = jsm.Stage1Config(engine=engine, timeout_s=0.5, fault_absent_rank=1)
+    cfg = jsm.Stage1Config(engine=engine, timeout_s=0.5)
     x, ids, w = problem(r, s, 32, "uniform")
     _, _, _, w1q = _util.make_problem(r, R, 1, s.hidden, s.intermediate, s.num_experts, s.topk)
     rt = jsm.Runtime(mesh, "ep", cfg)
+    inject_faults(rt, absent_rank=1)
     f = _util.stage1_fn(mesh, rt)
     args = (*_util.shard(mesh, (x, ids, w)), rt.shard_w1(w1q))
     with self.assertRaisesRegex(Exception, r"rank 0 timed out .* from peer rank 1"):

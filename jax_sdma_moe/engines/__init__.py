@@ -25,10 +25,12 @@ def select(name, *, platform: str, num_ranks: int, multi_process: bool, only_axi
            has_cuda: bool) -> type:
   """The engine class for Stage1Config.engine = name (None: the default for the mesh)."""
   if name is None:
-    if platform == "cpu":
-      name = "xla" if multi_process else "cpu"
+    if platform == "cpu" and only_axis and not multi_process:
+      name = "cpu"
     elif num_ranks == 1:
       name = "local"
+    elif platform == "cpu":
+      name = "xla"
     elif platform == "cuda" and has_cuda and only_axis:
       name = "sm"  # the fastest measured on 2xH200, in both launch modes (docs/PERF.md)
     else:

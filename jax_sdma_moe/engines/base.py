@@ -2,6 +2,7 @@
 engines whose dispatch is the `dispatch` custom call."""
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, ClassVar, Tuple
 
 import jax
@@ -32,11 +33,16 @@ class Engine:
   name: the Stage1Config.engine value. platforms: where it runs. fuses_gemm1: dispatch and gemm1
   run as one call, the GEMM starting each expert as its rows land. graph_capturable: its calls
   have no host step, so XLA may capture them in command buffers (CUDA graphs).
+  counts_overflow_axis_wide: with axis_overflow=True its dispatch's `overflow` result is the rows
+  dropped over the whole axis (others: this rank's, and stage1 gathers them).
   """
   name: ClassVar[str]
   platforms: ClassVar[Tuple[str, ...]]
   fuses_gemm1: ClassVar[bool] = False
   graph_capturable: ClassVar[bool] = False
+  # its dispatch can count the rows dropped over the whole axis (DispatchOptions.global_overflow:
+  # every rank holds every rank's plan), which stage1(check=True) checks on every rank
+  counts_overflow_axis_wide: ClassVar[bool] = False
 
   @classmethod
   def check_mesh(cls, runtime: "Runtime") -> None:
@@ -53,8 +59,9 @@ class Engine:
     return self.runtime.config
 
   def dispatch(self, send: SendBuffer, send_counts: jax.Array, rank: jax.Array, *,
-               cap: int) -> Landed:
-    """This rank's send buffer -> its landed rows (§4 layout)."""
+               cap: int, axis_overflow: bool = False) -> Landed:
+    """This rank's send buffer -> its landed rows (§4 layout). axis_overflow: `overflow` counts
+    the rows dropped over the whole axis (engines with counts_overflow_axis_wide only)."""
     raise NotImplementedError
 
   def send_token_rows(self, H: int, I: int) -> bool:
@@ -64,13 +71,14 @@ class Engine:
     return False
 
   def dispatch_gemm1(self, send: SendBuffer, send_counts: jax.Array, rank: jax.Array,
-                     w1q: QuantizedW1, *, cap: int, token_rows: bool = False):
+                     w1q: QuantizedW1, *, cap: int, token_rows: bool = False,
+                     axis_overflow: bool = False):
     """dispatch then gemm1: (Landed, h). Engines that fuse the two override this. token_rows: the
-    send buffer's rows are by token (send_token_rows)."""
+    send buffer's rows are by token (send_token_rows). axis_overflow: as dispatch's."""
     if token_rows:
       raise ValueError(f"engine {self.name!r}: dispatch reads a send buffer of send rows, not "
                        "token rows (qpack token_rows=False)")
-    landed = self.dispatch(send, send_counts, rank, cap=cap)
+    landed = self.dispatch(send, send_counts, rank, cap=cap, axis_overflow=axis_overflow)
     h = primitives.gemm1(landed.values, landed.scales, landed.expert_offsets,
                          landed.expert_counts, w1q,
                          options=gemm1_options(self.config, send, send_counts))
@@ -130,34 +138,41 @@ class FfiDispatchEngine(Engine):
 
   def protocol_options(self, window_set: int) -> primitives.DispatchOptions:
     """The `dispatch` attribute of this engine's dispatch and combine calls."""
-    cfg = self.config
+    cfg, faults = self.config, self.runtime._faults
     return primitives.DispatchOptions(
         engine=self.name, window_set=window_set, row_align=cfg.row_align, timeout_s=cfg.timeout_s,
-        fault_absent_rank=cfg.fault_absent_rank, fault_delay_rank=cfg.fault_delay_rank,
-        fault_delay_ms=cfg.fault_delay_ms)
+        fault_absent_rank=faults.absent_rank, fault_delay_rank=faults.delay_rank,
+        fault_delay_ms=faults.delay_ms, runtime=self.runtime.serial)
 
-  def dispatch_options(self, send, send_counts, cap) -> primitives.DispatchOptions:
-    return self.protocol_options(self.window_set(send, send_counts, cap))
+  def dispatch_options(self, send, send_counts, cap,
+                       axis_overflow: bool = False) -> primitives.DispatchOptions:
+    if axis_overflow and not self.counts_overflow_axis_wide:
+      raise ValueError(f"engine {self.name!r} does not count overflow over the axis")
+    return dataclasses.replace(self.protocol_options(self.window_set(send, send_counts, cap)),
+                               global_overflow=axis_overflow)
 
-  def dispatch(self, send, send_counts, rank, *, cap):
+  def dispatch(self, send, send_counts, rank, *, cap, axis_overflow=False):
     return primitives.dispatch(send, send_counts, rank, cap=cap,
-                               options=self.dispatch_options(send, send_counts, cap),
+                               options=self.dispatch_options(send, send_counts, cap,
+                                                             axis_overflow),
                                graph=self.graph_capturable)
 
   def _fused(self, send: SendBuffer, w1q: QuantizedW1) -> bool:
     """Whether dispatch and GEMM1 run as one call (`dispatch_gemm1`) for this shape."""
     return False
 
-  def dispatch_gemm1(self, send, send_counts, rank, w1q, *, cap, token_rows=False):
+  def dispatch_gemm1(self, send, send_counts, rank, w1q, *, cap, token_rows=False,
+                     axis_overflow=False):
     if not self._fused(send, w1q):
-      return super().dispatch_gemm1(send, send_counts, rank, w1q, cap=cap, token_rows=token_rows)
+      return super().dispatch_gemm1(send, send_counts, rank, w1q, cap=cap, token_rows=token_rows,
+                                    axis_overflow=axis_overflow)
     takes_token_rows = self.send_token_rows(send.values.shape[1], w1q.values.shape[1] // 2)
     if token_rows != takes_token_rows:
       raise ValueError(f"engine {self.name!r}: its fused call takes a send buffer of "
                        f"{'token' if takes_token_rows else 'send'} rows")
     return primitives.dispatch_gemm1(
         send, send_counts, rank, w1q, cap=cap,
-        options=self.dispatch_options(send, send_counts, cap),
+        options=self.dispatch_options(send, send_counts, cap, axis_overflow),
         gemm1_options=gemm1_options(self.config, send, send_counts),
         graph=self.graph_capturable, token_rows=token_rows)
 

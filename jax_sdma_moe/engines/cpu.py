@@ -17,6 +17,12 @@ class CpuEngine(FfiDispatchEngine):
     if runtime.multi_process:
       raise ValueError("Runtime: engine 'cpu' moves rows between the devices of one process; this "
                        "mesh spans several processes (jax.distributed): use engine 'xla'")
+    if not runtime.only_axis:
+      # its window table holds one set of windows per rank of the axis: two groups' ranks of
+      # the same index would share one
+      raise ValueError(f"Runtime: engine 'cpu' needs a mesh whose only axis longer than one is "
+                       f"{runtime.axis_name!r}, got {dict(runtime.mesh.shape)}; use engine 'xla' "
+                       f"(the default on such a mesh)")
 
   def __init__(self, runtime):
     super().__init__(runtime)

@@ -157,7 +157,8 @@ class XlaEngine(Engine):
                        "ragged_all_to_all falls back to NCCL there and lost rows when we tried "
                        "it); use engine 'ce' or 'sm'")
 
-  def dispatch(self, send, send_counts, rank, *, cap):
+  def dispatch(self, send, send_counts, rank, *, cap, axis_overflow=False):
+    assert not axis_overflow  # stage1 gathers this engine's counts itself
     rt = self.runtime
     return dispatch(send, send_counts, axis_name=rt.axis_name, num_ranks=rt.num_ranks, cap=cap,
                     row_align=self.config.row_align, ragged=rt.platform != "cpu")
@@ -165,6 +166,7 @@ class XlaEngine(Engine):
   def combine(self, rows, out1, rank, *, num_tokens, topk):
     rt, cfg = self.runtime, self.config
     sum_options = primitives.DispatchOptions(engine="local", window_set=0,
-                                             row_align=cfg.row_align, timeout_s=cfg.timeout_s)
+                                             row_align=cfg.row_align, timeout_s=cfg.timeout_s,
+                                             runtime=rt.serial)
     return combine(rows, out1, rank, axis_name=rt.axis_name, num_ranks=rt.num_ranks,
                    num_tokens=num_tokens, topk=topk, sum_options=sum_options)

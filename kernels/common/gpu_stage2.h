@@ -16,8 +16,8 @@ namespace gpu {
 constexpr int kSumCols = 8;  // columns per thread of the weighted sums: one 16-byte bf16 load
 
 // The combine within one rank: row_of (workspace [T * K]) filled from the headers (a header
-// outside T x K, or two rows for one (token, slot), traps: the headers are the dispatch's, never
-// a user's), then y[t] = bf16 of the fma sum over k = 0 .. K-1 of weight * row (float32, in slot
+// outside T x K, or a second row for one (token, slot), is skipped: jsm.stage2's check_layout
+// call has failed the program on it before the combine runs), then y[t] = bf16 of the fma sum over k = 0 .. K-1 of weight * row (float32, in slot
 // order): the host's combine_tokens (kernels/cpu/stage2.h), so y has the CPU backend's bytes.
 // in.H % kSumCols == 0 (the caller checks).
 struct CombineLocalArgs {
@@ -42,6 +42,27 @@ struct Gemm2Rows {
   uint16_t* y;  // [m_cap, N] bf16
 };
 void launch_generic_gemm2(const Gemm2Rows& g, Stream stream);
+
+// jsm_check_layout on the device (kernels/common/layout_check.h: the rules and their order): one
+// kernel over the EL experts and the m_cap rows writes the first fault as a LayoutFault (16 bytes)
+// at words + kCheckLayoutFault, for the host to copy and name. words: the workspace,
+// check_layout_words(R, T, K) uint32, zeroed by the launcher: the first fault's key, the count of
+// blocks done, the fault, then one bit per (src_rank, src_token, topk_slot) (duplicates).
+constexpr int64_t kCheckLayoutFault = 4;
+constexpr int64_t kCheckLayoutHeaderWords = 8;
+inline int64_t check_layout_words(int64_t R, int64_t T, int64_t K) {
+  return kCheckLayoutHeaderWords + (R * T * K + 31) / 32;
+}
+struct CheckLayoutArgs {
+  const int32_t* offsets;  // [EL]
+  const int32_t* counts;   // [EL]
+  const int32_t* src_rank;  // [m_cap]
+  const int32_t* token;     // [m_cap]
+  const int32_t* slot;      // [m_cap]
+  int64_t EL, m_cap, R, T, K;
+  uint32_t* words;
+};
+void launch_check_layout(const CheckLayoutArgs& a, Stream stream);
 
 }  // namespace gpu
 }  // namespace jsm

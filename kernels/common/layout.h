@@ -12,21 +12,26 @@
 namespace jsm {
 
 // Expert e starts at a multiple of row_align; offsets[EL] are clipped to m_cap, counts[EL] so that
-// no row lies at or past m_cap. total[e] are row counts (>= 0); total may be counts itself (each
-// is read before it is overwritten). Returns the rows that did not fit. (Index: the type of EL
-// and the loop over it, int64_t on the host, int on the device as the kernels count experts.)
+// no row lies at or past m_cap. total[e] are row counts (>= 0; a negative one counts as 0); total
+// may be counts itself (each is read before it is overwritten). Returns the rows that did not fit.
+// In int64 throughout, for any row_align >= 1 (up to 2^16 and beyond) and m_cap up to 2^31 - 1:
+// offsets never decrease, never go negative, and no two experts' rows overlap (the start stops
+// growing once it has reached m_cap, so it cannot overflow either). (Index: the type of EL and
+// the loop over it, int64_t on the host, int on the device as the kernels count experts.)
 template <class Index>
 JSM_HD int64_t landing_layout(const int32_t* total, Index EL, int64_t row_align, int64_t m_cap,
                               int32_t* offsets, int32_t* counts) {
+  const int64_t align = row_align > 1 ? row_align : 1;
+  const int64_t cap = m_cap > 0 ? m_cap : 0;
   int64_t off = 0, dropped = 0;
   for (Index e = 0; e < EL; ++e) {
-    const int64_t want = total[e];
-    const int64_t start = off < m_cap ? off : m_cap;
-    const int64_t kept = want < m_cap - start ? want : m_cap - start;
+    const int64_t want = total[e] > 0 ? int64_t(total[e]) : 0;
+    const int64_t start = off < cap ? off : cap;
+    const int64_t kept = want < cap - start ? want : cap - start;
     offsets[e] = int32_t(start);
     counts[e] = int32_t(kept);
     dropped += want - kept;
-    off += (want + row_align - 1) / row_align * row_align;
+    if (off < cap) off += (want + align - 1) / align * align;
   }
   return dropped;
 }

@@ -48,6 +48,23 @@ struct DispatchOptions {
   bool global_overflow;
 };
 
+// The longest wait any timeout_s stands for (~31 years): a larger value, inf or NaN waits this
+// long, so that a deadline computed from it (now + timeout in ns or device ticks) never overflows
+// into the past; a value <= 0 waits not at all.
+constexpr double kMaxTimeoutS = 1e9;
+inline double bounded_timeout_s(double timeout_s) {
+  if (!(timeout_s <= kMaxTimeoutS)) return kMaxTimeoutS;  // also NaN
+  return timeout_s > 0 ? timeout_s : 0.0;
+}
+
+// The fault injection's delay that a rank sleeps (fault_delay_ms), at most the call's timeout:
+// a delay beyond it could only make the peers time out, and must not hang the caller.
+inline int64_t bounded_delay_ms(const DispatchOptions& opt) {
+  const double limit_ms = bounded_timeout_s(opt.timeout_s) * 1000.0;
+  if (opt.fault_delay_ms <= 0) return 0;
+  return double(opt.fault_delay_ms) < limit_ms ? opt.fault_delay_ms : int64_t(limit_ms);
+}
+
 // Attribute `gemm1` of jsm_gemm1 and jsm_dispatch_gemm1(_graph).
 struct Gemm1Options {
   bool has_limit;

@@ -167,8 +167,8 @@ std::string dispatch_local_cpu(const DispatchGeometry& g, const DispatchOptions&
     zero_outputs(g, out);
     return "";
   }
-  if (opt.fault_delay_rank == 0)
-    std::this_thread::sleep_for(std::chrono::milliseconds(opt.fault_delay_ms));
+  if (opt.fault_delay_rank == 0)  // at most timeout_s (bounded_delay_ms)
+    std::this_thread::sleep_for(std::chrono::milliseconds(bounded_delay_ms(opt)));
   const int64_t dropped = landing_layout(send.counts, EL, opt.row_align, g.m_cap,
                                          out.expert_offsets, out.expert_counts);
   int64_t rows = 0, from = 0;

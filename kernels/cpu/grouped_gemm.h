@@ -71,13 +71,17 @@ void grouped_mx_gemm(const int32_t* offsets, const int32_t* counts, const uint8_
   }
 }
 
-// The rows a grouped GEMM does not write: every row outside [offsets[e], offsets[e] + counts[e]).
+// The rows a grouped GEMM does not write: every row outside [offsets[e], offsets[e] + counts[e])
+// (clipped to [0, m_cap): the handlers have checked the layout, kernels/common/layout_check.h).
 template <class F>
 void for_each_padding_row(const int32_t* offsets, const int32_t* counts, int64_t EL, int64_t m_cap,
                           F f) {
   std::vector<char> landed(static_cast<size_t>(m_cap), 0);
-  for (int64_t e = 0; e < EL; ++e)
-    std::fill(landed.begin() + offsets[e], landed.begin() + offsets[e] + counts[e], 1);
+  for (int64_t e = 0; e < EL; ++e) {
+    const int64_t lo = std::clamp<int64_t>(offsets[e], 0, m_cap);
+    const int64_t hi = std::clamp<int64_t>(int64_t(offsets[e]) + counts[e], lo, m_cap);
+    std::fill(landed.begin() + lo, landed.begin() + hi, 1);
+  }
   for (int64_t r = 0; r < m_cap; ++r)
     if (!landed[r]) f(r);
 }

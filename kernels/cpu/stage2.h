@@ -78,21 +78,6 @@ struct CombineGeometry {
   int64_t R, T, K, H, m_cap;
 };
 
-// "" if every landed row's header names a rank, token and slot of the geometry, else what is
-// wrong (the combine writes to the place a header names).
-inline std::string check_return_headers(const CombineGeometry& g, const ReturnRows& in) {
-  for (int64_t i = 0; i < g.m_cap; ++i) {
-    const int32_t s = in.src_rank[i];
-    if (s < 0) continue;
-    if (s >= g.R || in.token[i] < 0 || in.token[i] >= g.T || in.slot[i] < 0 || in.slot[i] >= g.K)
-      return "landed row " + std::to_string(i) + " names source rank " + std::to_string(s) +
-             ", token " + std::to_string(in.token[i]) + ", slot " + std::to_string(in.slot[i]) +
-             " outside R = " + std::to_string(g.R) + ", T = " + std::to_string(g.T) +
-             ", K = " + std::to_string(g.K);
-  }
-  return "";
-}
-
 // The combine within one rank (engine local, and engine xla after its exchange): every row with
 // src_rank >= 0 belongs to this rank's token `token` and slot `slot`. y: [T, H] bf16. Returns ""
 // or what is wrong (two rows for one token and slot).

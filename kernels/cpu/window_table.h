@@ -53,9 +53,11 @@ std::shared_ptr<RankWindows<Window>> windows_of(int64_t table_id, const Geometry
   return std::static_pointer_cast<RankWindows<Window>>(made);
 }
 
+// now + seconds, for any seconds (bounded_timeout_s: inf or 1e300 is ~31 years, not an overflow
+// into the past).
 inline Clock::time_point deadline_after(double seconds) {
-  return Clock::now() +
-         std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                            std::chrono::duration<double>(bounded_timeout_s(seconds)));
 }
 
 // One rank's part in one call of a protocol (the dispatch, the combine).
@@ -85,8 +87,8 @@ ProtocolCall<Window> begin_call(const char* call, int64_t rank, const Geometry& 
     c.absent = true;
     return c;
   }
-  if (rank == opt.fault_delay_rank)
-    std::this_thread::sleep_for(std::chrono::milliseconds(opt.fault_delay_ms));
+  if (rank == opt.fault_delay_rank)  // at most timeout_s (bounded_delay_ms)
+    std::this_thread::sleep_for(std::chrono::milliseconds(bounded_delay_ms(opt)));
   c.deadline = deadline_after(opt.timeout_s);
   c.windows = windows_of<Window>(opt.window_set, g, key, &c.error);
   if (!c.windows) {

@@ -38,8 +38,9 @@ std::string combine(void* stream, const CombineView& in, int32_t* /*row_of: by p
   }
   const EpWindowLayout& L = w->L.ep;
   uint32_t* counter = at<uint32_t>(me->own, L.ret_epoch_counter);
-  const gpu::ReturnArgs a{me->peers, L, int(w->g.R), me->rank, counter,
-                          uint64_t(opt.timeout_s * double(me->wall_clock_hz)), me->err_dev, in,
+  // bounded_timeout_s: inf or 1e300 waits ~31 years, never a deadline overflowed into the past
+  const uint64_t ticks = uint64_t(bounded_timeout_s(opt.timeout_s) * double(me->wall_clock_hz));
+  const gpu::ReturnArgs a{me->peers, L, int(w->g.R), me->rank, counter, ticks, me->err_dev, in,
                           nullptr};
   gpu::ep_return_begin_kernel<<<1, 1, 0, st>>>(counter);
   JSM_HIP_TRY("combine begin", hipGetLastError());

@@ -146,14 +146,15 @@ std::string dispatch(void* stream, const DispatchGeometry& g, const SendView& se
   const SdmaWindowLayout& L = w->L;
   SdmaArgs a{};
   a.peers = me->peers, a.L = L, a.g = w->g, a.rank = me->rank, a.row_align = opt.row_align;
-  a.timeout_ticks = uint64_t(opt.timeout_s * double(me->wall_clock_hz));
+  // bounded_timeout_s: inf or 1e300 waits ~31 years, never a deadline overflowed into the past
+  a.timeout_ticks = uint64_t(bounded_timeout_s(opt.timeout_s) * double(me->wall_clock_hz));
   a.err = me->err_dev;
   a.send = send;
   const bool absent = opt.fault_absent_rank == me->rank;
   const int64_t H = w->g.H, S = w->g.send_rows, EL = w->g.EL;
   if (!absent) {
-    if (opt.fault_delay_rank == me->rank)
-      std::this_thread::sleep_for(std::chrono::milliseconds(opt.fault_delay_ms));
+    if (opt.fault_delay_rank == me->rank)  // at most timeout_s
+      std::this_thread::sleep_for(std::chrono::milliseconds(bounded_delay_ms(opt)));
     sdma_begin_kernel<<<gpu::grid_for(std::max<int64_t>(S, 1), 256), 256, 0, st>>>(a);
     JSM_HIP_TRY("begin", hipGetLastError());
     // XLA's send buffer is no registered window: the rows are staged into this rank's window (the
