@@ -271,10 +271,11 @@ ffi::Error CombineImpl(ffi::AnyBuffer rows, S32Vec src_rank, S32Vec token, S32Ve
   return ffi::Error::Success();
 }
 
-// stage1(check=True): the overflow count passes through, and a non-zero one fails the call.
+// An axis-wide check (stage1(check=True)'s overflow, stage2's peers' layouts): the count passes
+// through with the guarded arrays, and a non-zero one fails the call.
 ffi::Error CheckOverflowImpl(S32Scalar overflow, S32Scalar rank, ffi::RemainingArgs guarded,
                              ffi::Result<S32Scalar> out, ffi::RemainingRets guarded_out,
-                             int64_t cap) {
+                             int64_t cap, int64_t what) {
   const int32_t n = *overflow.typed_data();
   *out->typed_data() = n;
   for (size_t i = 0; i < guarded.size(); ++i) {  // aliased: a copy only if XLA did not alias
@@ -285,7 +286,9 @@ ffi::Error CheckOverflowImpl(S32Scalar overflow, S32Scalar rank, ffi::RemainingA
     if ((*o)->untyped_data() != in->untyped_data())
       std::memcpy((*o)->untyped_data(), in->untyped_data(), in->size_bytes());
   }
-  if (n > 0) return jsm::handler::overflow_error(n, *rank.typed_data(), cap);
+  if (n > 0)
+    return jsm::handler::axis_check_error(jsm::handler::AxisCheck(what), n, *rank.typed_data(),
+                                          cap);
   return ffi::Error::Success();
 }
 

@@ -270,7 +270,8 @@ ffi::Error CombineImpl(gpu::Stream stream, ffi::AnyBuffer rows, S32Vec src_rank,
 
 inline ffi::Error CheckOverflowImpl(gpu::Stream stream, S32Scalar overflow, S32Scalar rank,
                                     ffi::RemainingArgs guarded, ffi::Result<S32Scalar> out,
-                                    ffi::RemainingRets guarded_out, int64_t cap) {
+                                    ffi::RemainingRets guarded_out, int64_t cap,
+                                    int64_t what) {
   int32_t host[2] = {0, 0};
   (void)gpu::memcpy_device_to_device_async(out->typed_data(), overflow.typed_data(), 4, stream);
   for (size_t i = 0; i < guarded.size(); ++i) {  // aliased: a copy only if XLA did not alias
@@ -285,7 +286,8 @@ inline ffi::Error CheckOverflowImpl(gpu::Stream stream, S32Scalar overflow, S32S
   (void)gpu::memcpy_device_to_host_async(&host[0], overflow.typed_data(), 4, stream);
   (void)gpu::memcpy_device_to_host_async(&host[1], rank.typed_data(), 4, stream);
   if (gpu::stream_synchronize(stream) != gpu::kSuccess) return last_error("check_overflow");
-  if (host[0] > 0) return handler::overflow_error(host[0], host[1], cap);
+  if (host[0] > 0)
+    return handler::axis_check_error(handler::AxisCheck(what), host[0], host[1], cap);
   return ffi::Error::Success();
 }
 

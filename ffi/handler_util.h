@@ -74,13 +74,26 @@ inline ffi::Error wrong_engine(const char* target, EngineId engine, const char* 
                                      ") is not served here; this handler serves " + serves);
 }
 
-// stage1(check=True)'s failure: `dropped` rows routed over the axis did not fit M_cap (every rank
-// checks the same axis-wide count, so every rank fails here and none waits for one that left);
-// `rank` is one that dropped rows (-1: unknown).
-inline ffi::Error overflow_error(int64_t dropped, int64_t rank, int64_t cap) {
+// What an axis-wide check (jsm_check_overflow) counts; every rank checks the same count, so every
+// rank fails at the same point and none waits in a later exchange for one that left.
+enum class AxisCheck : int64_t {
+  kOverflow = 0,     // stage1(check=True): rows routed over the axis that did not fit M_cap
+  kPeerLayout = 1,   // stage2 (engine xla): ranks whose Stage1Output fails its layout check
+};
+
+// The failure of an axis-wide check: `count` > 0 as `what` says; `rank` one rank concerned (-1:
+// unknown); `cap` the landing capacity M_cap.
+inline ffi::Error axis_check_error(AxisCheck what, int64_t count, int64_t rank, int64_t cap) {
+  if (what == AxisCheck::kPeerLayout)
+    return ffi::Error::InvalidArgument(
+        "jax_sdma_moe.stage2: the Stage1Output given on " + std::to_string(count) +
+        " rank(s) of the axis (rank " + std::to_string(rank) +
+        " first) fails its layout check (expert offsets and counts monotone within M_cap = " +
+        std::to_string(cap) + ", row headers in range, one row per (rank, token, slot)): a "
+        "modified Stage1Output; every rank stops here, before the exchange");
   return ffi::Error(
       ffi::ErrorCode::kResourceExhausted,
-      "jax_sdma_moe.stage1(check=True): " + std::to_string(dropped) +
+      "jax_sdma_moe.stage1(check=True): " + std::to_string(count) +
           " rows routed over the axis did not fit their rank's M_cap = " + std::to_string(cap) +
           (rank >= 0 ? " (rank " + std::to_string(rank) + " dropped some)" : std::string()) +
           ": Stage1Config.max_recv_rows is below what this routing needs; raise it, or leave "

@@ -178,11 +178,13 @@ auto check_layout(B b) {
 // overflow (passed through; the call fails if > 0) <- overflow, rank[, after: any buffer, never
 // read: it orders the check after the call that made it (jsm.moe checks after its combine)]
 template <class B>
-// (overflow, the arrays it guards) <- overflow [], rank [], the arrays it guards (aliased: the
-// results are the operands' buffers, so every use of them waits for the check)
+// (count, the arrays it guards) <- count [], rank [], the arrays it guards (aliased: the results
+// are the operands' buffers, so every use of them waits for the check); attributes `cap` (M_cap)
+// and `what` (handler_util.h AxisCheck: what the axis-wide count counts)
 auto check_overflow(B b) {
   return std::move(b).template Arg<S32Scalar>().template Arg<S32Scalar>().RemainingArgs()
-      .template Ret<S32Scalar>().RemainingRets().template Attr<int64_t>("cap");
+      .template Ret<S32Scalar>().RemainingRets().template Attr<int64_t>("cap")
+      .template Attr<int64_t>("what");
 }
 
 }  // namespace sig

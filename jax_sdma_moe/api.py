@@ -345,7 +345,28 @@ def stage2(out1: Stage1Output, w2q: QuantizedW2, *, runtime: Runtime) -> jax.Arr
                if runtime.platform == "cuda" else 0)  # (CUDA gemm2's and combine's, DESIGN §5)
   runtime.check_memory(f"stage2 of T = {T} tokens of H = {H} from M_cap = {M} landing rows",
                        stage2_bytes(M, T, K, H, I) + workspace)
+  out1 = _check_layout(runtime, out1, T, K)
   return combine(gemm2_rows(out1, w2q, runtime=runtime), out1, runtime=runtime)
+
+
+def _check_layout(runtime: Runtime, out1: Stage1Output, T: int, K: int) -> Stage1Output:
+  """out1's layout checked before GEMM2 and the combine index with it (a modified Stage1Output
+  fails naming the field, never reads out of bounds); the checked offsets and counts replace
+  out1's, so the check runs first. Engine xla exchanges through XLA collectives, where a rank
+  that failed alone would leave its peers in the exchange (XLA aborts the process there): every
+  rank first gathers every rank's verdict, and all stop together where any output is bad."""
+  R, M = runtime.num_ranks, out1.src_rank.shape[0]
+  offsets, counts = out1.expert_offsets, out1.expert_counts
+  if runtime.engine.exchanges_through_xla:
+    bad = lax.all_gather(~layout.layout_is_valid(
+        offsets, counts, out1.src_rank, out1.src_token, out1.topk_slot, num_ranks=R,
+        num_tokens=T, topk=K), runtime.axis_name)
+    first = jnp.where(jnp.any(bad), jnp.argmax(bad), -1).astype(jnp.int32)
+    _, (offsets, counts) = primitives.check_overflow(jnp.sum(bad).astype(jnp.int32), first, M,
+                                                     (offsets, counts), what="peer_layout")
+  offsets, counts = primitives.check_layout(offsets, counts, out1.src_rank, out1.src_token,
+                                            out1.topk_slot, num_ranks=R, num_tokens=T, topk=K)
+  return out1._replace(expert_offsets=offsets, expert_counts=counts)
 
 
 def gemm2_rows(out1: Stage1Output, w2q: QuantizedW2, *, runtime: Runtime) -> jax.Array:

@@ -134,3 +134,26 @@ def landing_layout(total: jnp.ndarray, row_align: int, cap: int) -> Layout:
   counts = jnp.clip(total, 0, cap - offsets)
   return Layout(offsets.astype(jnp.int32), counts.astype(jnp.int32), start.astype(jnp.int32),
                 (total.sum(-1) - counts.sum(-1)).astype(jnp.int32))
+
+
+def layout_is_valid(expert_offsets, expert_counts, src_rank, src_token, topk_slot, *,
+                    num_ranks: int, num_tokens: int, topk: int) -> jnp.ndarray:
+  """[] bool: whether a Stage1Output's layout keeps every rule of stage2's check
+  (kernels/common/layout_check.h, whose jsm_check_layout names the first fault): each expert's
+  rows [offset, offset + count) within [0, M_cap), in order, not overlapping the next's; each
+  row's src_rank in [-1, R), and where >= 0 its src_token in [0, T), topk_slot in [0, K), no two
+  rows with one (src_rank, src_token, topk_slot). Engine xla's stage2 gathers it from every rank
+  before its exchange, so that all ranks stop together where one's output was modified."""
+  o, c = expert_offsets.astype(jnp.int32), expert_counts.astype(jnp.int32)
+  M = src_rank.shape[0]
+  ok = jnp.all((o >= 0) & (o <= M) & (c >= 0)) & jnp.all(c <= M - jnp.clip(o, 0, M))
+  ok &= jnp.all(o[1:] >= o[:-1]) & jnp.all(c[:-1] <= o[1:] - o[:-1])
+  s, t, k = (a.astype(jnp.int32) for a in (src_rank, src_token, topk_slot))
+  row = s >= 0
+  ok &= jnp.all((s >= -1) & (s < num_ranks))
+  ok &= jnp.all(~row | ((t >= 0) & (t < num_tokens) & (k >= 0) & (k < topk)))
+  places = num_ranks * num_tokens * topk
+  at = jnp.where(row & (s < num_ranks) & (t >= 0) & (t < num_tokens) & (k >= 0) & (k < topk),
+                 (s * num_tokens + t) * topk + k, places)
+  seen = jnp.zeros((places,), jnp.int32).at[at].add(1, mode="drop")
+  return ok & jnp.all(seen <= 1)

@@ -360,24 +360,30 @@ def combine(rows: jax.Array, src_rank: jax.Array, token: jax.Array, slot: jax.Ar
                num_tokens=int(num_tokens), topk=int(topk), options=options)[0]
 
 
-# --- check_overflow (stage1(check=True)) -----------------------------------------------------
+# --- check_overflow: an axis-wide check (stage1(check=True); stage2 on engine xla) ----------
+
+# what the count of an axis-wide check counts (ffi/handler_util.h AxisCheck)
+AXIS_CHECKS = {"overflow": 0, "peer_layout": 1}
 
 _check_overflow_p = _make(
-    "check_overflow", lambda overflow, rank, *guarded, cap, num_guarded: (
+    "check_overflow", lambda count, rank, *guarded, cap, what, num_guarded: (
         _aval((), jnp.int32), *guarded),
-    lambda p: {"cap": np.int64(p["cap"])},
+    lambda p: {"cap": np.int64(p["cap"]), "what": np.int64(AXIS_CHECKS[p["what"]])},
     aliases=lambda p: {2 + i: 1 + i for i in range(p["num_guarded"])})
 
 
-def check_overflow(overflow: jax.Array, rank: jax.Array, cap: int, guarded=()):
-  """stage1(check=True): fails at run time if `overflow` (the rows dropped over the whole axis:
-  every rank checks the same count) is > 0, naming `rank` (one that dropped rows; -1 if
-  unknown). Returns (overflow, guarded): the arrays of `guarded` pass through, their buffers
-  aliased (no copy), so that whichever of them the caller uses, XLA runs the check first — a
-  check tied to the count alone would be dropped with it where the caller does not use it."""
+def check_overflow(count: jax.Array, rank: jax.Array, cap: int, guarded=(),
+                   what: str = "overflow"):
+  """An axis-wide check: fails at run time if `count` is > 0 — what="overflow": the rows dropped
+  over the whole axis (stage1(check=True)); what="peer_layout": the ranks whose Stage1Output fails
+  its layout check (stage2, engine xla) — naming `rank` (one concerned; -1 if unknown). Every rank
+  checks the same count, so all fail at the same point. Returns (count, guarded): the arrays of
+  `guarded` pass through, their buffers aliased (no copy), so that whichever of them the caller
+  uses, XLA runs the check first — a check tied to the count alone would be dropped with it where
+  the caller does not use it."""
   guarded = tuple(guarded)
-  outs = _bind(_check_overflow_p, overflow, rank.astype(jnp.int32), *guarded, cap=int(cap),
-               num_guarded=len(guarded))
+  outs = _bind(_check_overflow_p, count, rank.astype(jnp.int32), *guarded, cap=int(cap),
+               what=what, num_guarded=len(guarded))
   return outs[0], tuple(outs[1:])
 
 

@@ -80,15 +80,22 @@ class CheckHoldsTest(parameterized.TestCase):
         run(f, *args)
       self.assertLess(time.monotonic() - t0, 10.0, "a rank waited for the one that failed")
 
-  @parameterized.parameters(*ENGINES)
-  def test_moe_check(self, engine):
-    _, x, _, w, w1q, w2q = problem()
-    ids = to_rank0(T, K)
-    m = _util.mesh(R)
-    with jsm.Runtime(m, "ep", self.cfg(engine, timeout_s=20.0)) as rt:
-      with self.assertRaisesRegex(Exception, "did not fit their rank's M_cap"):
-        run(_util.moe_fn(m, rt, check=True), *_util.shard(m, (x, ids, w)),
-            *_util.shard(m, (w1q, w2q)))
+  def test_local_engine(self):
+    """Engine local (one rank, here beside nothing else): the check holds where only h is used
+    and where stage2 follows."""
+    r = _util.rng()
+    x, ids, w, w1q = _util.make_problem(r, 1, T, H, I, E, K)
+    w2q = _util.make_w2q(r, E, H, I)
+    m = _util.mesh(1)
+    cfg = jsm.Stage1Config(engine="local", row_align=8, max_recv_rows=T * K // 2)
+    with jsm.Runtime(m, "ep", cfg) as rt:
+      for keep in ("h", "y"):
+        def body(x, ids, w, w1q, w2q, keep=keep):
+          out1 = jsm.stage1(x, (ids, w), w1q, runtime=rt, check=True)
+          return out1.h if keep == "h" else jsm.stage2(out1, w2q, runtime=rt)
+        f = jax.jit(jax.shard_map(body, mesh=m, in_specs=P("ep"), out_specs=P("ep")))
+        with self.subTest(keep), self.assertRaisesRegex(Exception, "did not fit their rank's"):
+          run(f, *_util.shard(m, (x, ids, w, w1q, w2q)))
 
   def test_check_passes_when_nothing_drops(self):
     _, x, ids, w, w1q, w2q = problem()
@@ -227,12 +234,15 @@ class BoundsTest(parameterized.TestCase):
 
 class Stage2OfEarlierOutputTest(parameterized.TestCase):
 
-  @parameterized.parameters(*ENGINES)
-  def test_stage2_of_the_first_of_two_stage1s(self, engine):
+  @parameterized.parameters(*ENGINES, "local")
+  def test_stage2_of_the_first_of_two_stages1(self, engine):
     """stage2 depends only on the Stage1Output it is given, not on the engine's latest
     dispatch."""
-    _, x, ids, w, w1q, w2q = problem()
-    _, x2, ids2, w2, _, _ = problem()
+    R = 1 if engine == "local" else _util.NUM_DEVICES  # noqa: N806 - the suite's name for it
+    r = _util.rng()
+    x, ids, w, w1q = _util.make_problem(r, R, T, H, I, E, K)
+    x2, ids2, w2, _ = _util.make_problem(r, R, T, H, I, E, K)
+    w2q = _util.make_w2q(r, E, H, I)
     m = _util.mesh(R)
     cfg = jsm.Stage1Config(engine=engine, row_align=8)
     with jsm.Runtime(m, "ep", cfg) as rt:
@@ -245,6 +255,36 @@ class Stage2OfEarlierOutputTest(parameterized.TestCase):
       y1, y2 = run(f, *_util.shard(m, (x, ids, w, x2, ids2, w2, w1q, w2q)))
     _util.check_y(self, y1, _util.reference_y(x, ids, w, w1q, w2q, R, cfg, T), ids, E)
     _util.check_y(self, y2, _util.reference_y(x2, ids2, w2, w1q, w2q, R, cfg, T), ids2, E)
+
+
+class ModifiedOutputTest(parameterized.TestCase):
+  """A Stage1Output altered between stage1 and stage2 — here on rank 3 alone — fails with an
+  error naming the field on that rank; the others stop too (engine xla: at once, before its
+  exchange, not in an abort of XLA's rendezvous; engine cpu: their waits for rank 3 are
+  bounded)."""
+
+  @parameterized.product(engine=ENGINES, field=("expert_offsets", "expert_counts", "src_token"))
+  def test_one_rank_modified(self, engine, field):
+    _, x, ids, w, w1q, w2q = problem()
+    m = _util.mesh(R)
+    cfg = jsm.Stage1Config(engine=engine, row_align=8, timeout_s=5.0)
+    bump = {"expert_offsets": -5, "expert_counts": 10**6, "src_token": 10**6}[field]
+    with jsm.Runtime(m, "ep", cfg) as rt:
+      def body(x, ids, w, w1q, w2q):
+        out1 = jsm.stage1(x, (ids, w), w1q, runtime=rt)
+        a = getattr(out1, field)
+        a = a.at[0].add(jnp.where(jax.lax.axis_index("ep") == 3, bump, 0))
+        return jsm.stage2(out1._replace(**{field: a}), w2q, runtime=rt)
+      f = jax.jit(jax.shard_map(body, mesh=m, in_specs=P("ep"), out_specs=P("ep")))
+      args = _util.shard(m, (x, ids, w, w1q, w2q))
+      f.lower(*args).compile()
+      t0 = time.monotonic()
+      want = (r"INVALID_ARGUMENT.*(Stage1Output given on 1 rank\(s\) of the axis \(rank 3|"
+              rf"out1\.{field}\[0\])" if engine == "xla" else
+              rf"INVALID_ARGUMENT.*out1\.{field}\[0\]|timed out .* from peer rank 3")
+      with self.assertRaisesRegex(Exception, want):
+        run(f, *args)
+      self.assertLess(time.monotonic() - t0, 4 * cfg.timeout_s)
 
 
 class RuntimeUseTest(parameterized.TestCase):

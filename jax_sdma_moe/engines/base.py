@@ -43,6 +43,9 @@ class Engine:
   # its dispatch can count the rows dropped over the whole axis (DispatchOptions.global_overflow:
   # every rank holds every rank's plan), which stage1(check=True) checks on every rank
   counts_overflow_axis_wide: ClassVar[bool] = False
+  # its exchanges are XLA collectives, where a rank that fails alone leaves its peers waiting
+  # until XLA aborts the process: checks that may fail on one rank are made axis-wide first
+  exchanges_through_xla: ClassVar[bool] = False
 
   @classmethod
   def check_mesh(cls, runtime: "Runtime") -> None:

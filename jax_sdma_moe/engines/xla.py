@@ -145,6 +145,7 @@ def combine(rows: jax.Array, out1: Stage1Output, rank: jax.Array, *, axis_name: 
 class XlaEngine(Engine):
   name = "xla"
   platforms = ("cpu", "cuda", "rocm")
+  exchanges_through_xla = True
 
   @classmethod
   def check_mesh(cls, runtime):
