@@ -278,14 +278,7 @@ ffi::Error CheckOverflowImpl(S32Scalar overflow, S32Scalar rank, ffi::RemainingA
                              int64_t cap, int64_t what) {
   const int32_t n = *overflow.typed_data();
   *out->typed_data() = n;
-  for (size_t i = 0; i < guarded.size(); ++i) {  // aliased: a copy only if XLA did not alias
-    auto in = guarded.get<ffi::AnyBuffer>(i);
-    auto o = guarded_out.get<ffi::AnyBuffer>(i);
-    if (!in.has_value()) return in.error();
-    if (!o.has_value()) return o.error();
-    if ((*o)->untyped_data() != in->untyped_data())
-      std::memcpy((*o)->untyped_data(), in->untyped_data(), in->size_bytes());
-  }
+  JSM_RETURN_IF_ERROR(jsm::handler::pass_through(guarded, guarded_out, std::memcpy));
   if (n > 0)
     return jsm::handler::axis_check_error(jsm::handler::AxisCheck(what), n, *rank.typed_data(),
                                           cap);

@@ -274,15 +274,10 @@ inline ffi::Error CheckOverflowImpl(gpu::Stream stream, S32Scalar overflow, S32S
                                     int64_t what) {
   int32_t host[2] = {0, 0};
   (void)gpu::memcpy_device_to_device_async(out->typed_data(), overflow.typed_data(), 4, stream);
-  for (size_t i = 0; i < guarded.size(); ++i) {  // aliased: a copy only if XLA did not alias
-    auto in = guarded.get<ffi::AnyBuffer>(i);
-    auto o = guarded_out.get<ffi::AnyBuffer>(i);
-    if (!in.has_value()) return in.error();
-    if (!o.has_value()) return o.error();
-    if ((*o)->untyped_data() != in->untyped_data())
-      (void)gpu::memcpy_device_to_device_async((*o)->untyped_data(), in->untyped_data(),
-                                               in->size_bytes(), stream);
-  }
+  JSM_RETURN_IF_ERROR(handler::pass_through(guarded, guarded_out, [&](void* d, const void* s,
+                                                                      size_t n) {
+    (void)gpu::memcpy_device_to_device_async(d, s, n, stream);
+  }));
   (void)gpu::memcpy_device_to_host_async(&host[0], overflow.typed_data(), 4, stream);
   (void)gpu::memcpy_device_to_host_async(&host[1], rank.typed_data(), 4, stream);
   if (gpu::stream_synchronize(stream) != gpu::kSuccess) return last_error("check_overflow");

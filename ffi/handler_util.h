@@ -74,6 +74,21 @@ inline ffi::Error wrong_engine(const char* target, EngineId engine, const char* 
                                      ") is not served here; this handler serves " + serves);
 }
 
+// The arrays an axis-wide check guards pass through aliased (ffi_lowering operand_output_aliases);
+// copy(dst, src, bytes) runs only where XLA did not alias one.
+template <class Copy>
+ffi::Error pass_through(ffi::RemainingArgs& in, ffi::RemainingRets& out, Copy copy) {
+  for (size_t i = 0; i < in.size(); ++i) {
+    auto a = in.get<ffi::AnyBuffer>(i);
+    auto r = out.get<ffi::AnyBuffer>(i);
+    if (!a.has_value()) return a.error();
+    if (!r.has_value()) return r.error();
+    if ((*r)->untyped_data() != a->untyped_data())
+      copy((*r)->untyped_data(), a->untyped_data(), a->size_bytes());
+  }
+  return ffi::Error::Success();
+}
+
 // What an axis-wide check (jsm_check_overflow) counts; every rank checks the same count, so every
 // rank fails at the same point and none waits in a later exchange for one that left.
 enum class AxisCheck : int64_t {
