@@ -15,6 +15,7 @@ import numpy as np
 import jax_sdma_moe as jsm
 from jax_sdma_moe import reference
 
+from bench.inputs import per_group
 from bench.processes import CheckError, global_to_host
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -43,9 +44,12 @@ def full_reference(ref: jsm.Stage1Output, h32: np.ndarray) -> Reference:
   return Reference(ref, blocks)
 
 
-@functools.partial(jax.jit, static_argnames=("E", "row_align", "cap"))
-def _reference_layout(x, ids, weights, *, E: int, row_align: int, cap: int):
-  return reference.dispatch(reference.quantize(x), ids, weights, E, row_align, cap)
+@functools.partial(jax.jit, static_argnames=("E", "R", "row_align", "cap"))
+def _reference_layout(x, ids, weights, *, E: int, R: int, row_align: int, cap: int):
+  """reference.dispatch of every EP group of R ranks: x, ids, weights [N, ...] (bench/inputs.py
+  rows_spec)."""
+  return per_group(lambda x, ids, weights: reference.dispatch(
+      reference.quantize(x), ids, weights, E, row_align, cap), R)(x, ids, weights)
 
 
 def sampled_reference(shape: jsm.MoEShape, row_align: int, cap: int, inputs, w1q,
@@ -54,23 +58,27 @@ def sampled_reference(shape: jsm.MoEShape, row_align: int, cap: int, inputs, w1q
   devices), and the float32 h of a sample of experts per rank only (reference.stage1's GEMM is
   dense over all experts: far too slow at dsv3). The sample: the first, last and largest non-empty
   experts and RANDOM_EXPERTS random non-empty ones. Returns the Reference and the (rank, expert)
-  pairs checked."""
+  pairs checked (rank: the device, of every EP group, as inputs are stacked; w1q [R, E/R, ...])."""
   x, ids, weights = inputs
-  E = shape.num_experts
-  landed = _reference_layout(x, ids, weights, E=E, row_align=row_align, cap=cap)
+  E, R = shape.num_experts, w1q.values.shape[0]
+  landed = _reference_layout(x, ids, weights, E=E, R=R, row_align=row_align, cap=cap)
   lay = jsm.Stage1Output(
       None, *global_to_host((landed.expert_offsets, landed.expert_counts, landed.src_rank,
                              landed.src_token, landed.topk_slot, landed.topk_weight,
                              landed.num_rows)),
       np.sum(global_to_host(ids) >= E, axis=(1, 2)).astype(np.int32),
       global_to_host(landed.overflow))
-  blocks, checked = {}, []
+  blocks, checked, group = {}, [], None
   for rank in range(lay.expert_counts.shape[0]):
     offsets, counts = lay.expert_offsets[rank], lay.expert_counts[rank]
     experts = pick_experts(counts, rng)
     if not experts:
       continue
-    h32 = reference.sampled_h32(landed.values, landed.scales, offsets, counts, experts, w1q, rank,
+    if rank // R != group:  # the rows landed on the group's ranks (w1q: one group's)
+      group = rank // R
+      rows = ((landed.values, landed.scales) if len(lay.expert_counts) == R else
+              (landed.values[group * R:(group + 1) * R], landed.scales[group * R:(group + 1) * R]))
+    h32 = reference.sampled_h32(*rows, offsets, counts, experts, w1q, rank % R,
                                 shape.swiglu_limit, host=global_to_host)
     blocks.update({(rank, e): h for e, h in h32.items()})
     checked += [(rank, e) for e in experts]

@@ -2,8 +2,10 @@
 made on the host (CPU mode: every path and the full reference get the same arrays) or on the
 devices (--gpu: nothing of dsv3's size passes through the host).
 
-Every array carries a leading rank axis [R, ...] sharded over AXIS, so each shard sees [1, ...]
-and all stages (whose outputs are stacked the same way) compose uniformly."""
+Every token array carries a leading device axis [N, ...] split over every axis of the mesh
+(rows_spec: N = R ranks of AXIS times the groups of the other axes, --mesh), so each shard sees
+[1, ...] and all stages (whose outputs are stacked the same way) compose uniformly; the expert
+weights carry a leading rank axis [R, ...] split over AXIS alone (the same on every group)."""
 from __future__ import annotations
 
 import functools
@@ -22,25 +24,47 @@ AXIS = "ep"
 W1_SCALE = 0.05  # w1 ~ N(0, 1) * W1_SCALE; x ~ N(0, 1)
 
 
+def rows_spec(mesh) -> P:
+  """The token arrays' [N, ...] axis split over every axis of the mesh, AXIS innermost: device
+  n = g * R + r is rank r of EP group g (each combination of the other axes' coordinates is one
+  group, e.g. g the "dp" coordinate of a (dp, ep) mesh)."""
+  return P((*[a for a in mesh.axis_names if a != AXIS], AXIS))
+
+
+def per_group(fn, R: int, token_args: int = 3):
+  """fn(*tokens, *rest, **kw) of one EP group's R ranks (the first token_args arguments [R, ...])
+  -> the same of every group at once: those [N, ...], device n = g * R + r (rows_spec), every
+  result [N, ...], each group on its own (one group: fn itself)."""
+  def grouped(*args, **kw):
+    tokens, rest = args[:token_args], args[token_args:]
+    N = tokens[0].shape[0]
+    if N == R:
+      return fn(*args, **kw)
+    split = lambda a: a.reshape(N // R, R, *a.shape[1:])
+    out = jax.vmap(lambda *t: fn(*t, *rest, **kw))(*map(split, tokens))
+    return jax.tree.map(lambda a: a.reshape(N, *a.shape[2:]), out)
+  return grouped
+
+
 class HostInputs(NamedTuple):
-  x: np.ndarray        # [R, T, H] bf16
-  ids: np.ndarray      # [R, T, K] int32, K distinct experts per token
-  weights: np.ndarray  # [R, T, K] f32
+  x: np.ndarray        # [N, T, H] bf16 (N devices: rows_spec)
+  ids: np.ndarray      # [N, T, K] int32, K distinct experts per token
+  weights: np.ndarray  # [N, T, K] f32
   w1: np.ndarray       # [E, 2I, H] bf16
 
 
-def make_tokens(shape: jsm.MoEShape, R: int, T: int, rng: np.random.Generator) -> tuple:
-  """(x [R, T, H] bf16, ids [R, T, K] int32 with K distinct experts per token, weights [R, T, K]
-  f32) on the host."""
+def make_tokens(shape: jsm.MoEShape, N: int, T: int, rng: np.random.Generator) -> tuple:
+  """(x [N, T, H] bf16, ids [N, T, K] int32 with K distinct experts per token, weights [N, T, K]
+  f32) of N devices on the host."""
   H, E, K = shape.hidden, shape.num_experts, shape.topk
-  x = rng.standard_normal((R, T, H), np.float32).astype(jnp.bfloat16)
-  ids = np.argsort(rng.random((R, T, E)), axis=-1)[..., :K].astype(np.int32)
-  return x, ids, rng.random((R, T, K), np.float32)
+  x = rng.standard_normal((N, T, H), np.float32).astype(jnp.bfloat16)
+  ids = np.argsort(rng.random((N, T, E)), axis=-1)[..., :K].astype(np.int32)
+  return x, ids, rng.random((N, T, K), np.float32)
 
 
-def make_inputs(shape: jsm.MoEShape, R: int, T: int, rng: np.random.Generator) -> HostInputs:
+def make_inputs(shape: jsm.MoEShape, N: int, T: int, rng: np.random.Generator) -> HostInputs:
   H, I, E = shape.hidden, shape.intermediate, shape.num_experts
-  x, ids, weights = make_tokens(shape, R, T, rng)
+  x, ids, weights = make_tokens(shape, N, T, rng)
   w1 = (rng.standard_normal((E, 2 * I, H), np.float32) * W1_SCALE).astype(jnp.bfloat16)
   return HostInputs(x, ids, weights, w1)
 
@@ -67,12 +91,13 @@ def random_w2q(key, E: int, I: int, H: int) -> jsm.QuantizedW2:
   return jsm.quantize_w2(jax.random.normal(key, (E, H, I), jnp.bfloat16) * (1 / np.sqrt(I)))
 
 
-def to_ranks(a, mesh):
+def to_ranks(a, mesh, spec=P(AXIS)):
   """a [R, ...] (the same whole array in every process: host data, or drawn on this process's
-  default device from the same key) split over the mesh's ranks, each process placing only its own
-  ranks' pieces, so no data moves between processes. (With jax.device_put of the device arrays to
-  the mesh's sharding instead, the layer under mpirun on 2xH200 printed nothing in 6 minutes.)"""
-  sharding = NamedSharding(mesh, P(AXIS))
+  default device from the same key) split over the mesh's ranks (spec; rows_spec(mesh): a [N, ...]
+  over every device), each process placing only its own pieces, so no data moves between
+  processes. (With jax.device_put of the device arrays to the mesh's sharding instead, the layer
+  under mpirun on 2xH200 printed nothing in 6 minutes.)"""
+  sharding = NamedSharding(mesh, spec)
   pieces = [jax.device_put(a[index], device)
             for device, index in sharding.addressable_devices_indices_map(a.shape).items()]
   return jax.make_array_from_single_device_arrays(a.shape, sharding, pieces)
@@ -104,18 +129,18 @@ def device_weights(mesh, shape: jsm.MoEShape, key) -> tuple:
 
 
 def device_inputs(mesh, shape: jsm.MoEShape, T: int, key) -> tuple:
-  """The ranks' tokens made on their devices: (x [R, T, H] bf16, ids [R, T, K] (K distinct
-  experts per token), weights [R, T, K] f32) for the engines, and (bf16 copy of the dequantised
-  MX-fp8 x, ids) for the JAX-native paths."""
+  """The devices' tokens made on them: (x [N, T, H] bf16, ids [N, T, K] (K distinct experts per
+  token), weights [N, T, K] f32) for the engines, and (bf16 copy of the dequantised MX-fp8 x, ids)
+  for the JAX-native paths; N: every device of the mesh (rows_spec)."""
   H, E, K = shape.hidden, shape.num_experts, shape.topk
-  R = mesh.shape[AXIS]
+  N = mesh.size
 
-  @functools.partial(jax.jit, out_shardings=NamedSharding(mesh, P(AXIS)))
+  @functools.partial(jax.jit, out_shardings=NamedSharding(mesh, rows_spec(mesh)))
   def make(key):
     kx, ki, kw = jax.random.split(key, 3)
-    x = jax.random.normal(kx, (R, T, H), jnp.bfloat16)
-    ids = lax.top_k(jax.random.uniform(ki, (R, T, E)), K)[1].astype(jnp.int32)
-    weights = jax.random.uniform(kw, (R, T, K), jnp.float32)
+    x = jax.random.normal(kx, (N, T, H), jnp.bfloat16)
+    ids = lax.top_k(jax.random.uniform(ki, (N, T, E)), K)[1].astype(jnp.int32)
+    weights = jax.random.uniform(kw, (N, T, K), jnp.float32)
     x = lax.optimization_barrier(x)
     return (x, ids, weights), (native_x(x), ids)
 
@@ -133,14 +158,15 @@ def native_x(x: jax.Array) -> jax.Array:
 
 
 def host_inputs_on_mesh(mesh, host: HostInputs, w1q: jsm.QuantizedW1) -> tuple:
-  """CPU mode: the host inputs placed on the ranks as device_inputs and device_weights make them
+  """CPU mode: the host inputs placed on the devices as device_inputs and device_weights make them
   (w1q [E, 2I, H] quantised from host.w1): ((x, ids, weights), w1q [R, E/R, 2I, H]) for the
   engines and ((bf16 x, ids), bf16 w1 [R, E/R, H, 2I]) for the JAX-native paths."""
   R = mesh.shape[AXIS]
-  put = functools.partial(jax.device_put, device=NamedSharding(mesh, P(AXIS)))
+  put = functools.partial(jax.device_put, device=NamedSharding(mesh, rows_spec(mesh)))
+  put_w = functools.partial(jax.device_put, device=NamedSharding(mesh, P(AXIS)))
   per_rank_w1q = jax.tree.map(lambda a: a.reshape(R, a.shape[0] // R, *a.shape[1:]), w1q)
-  return (((put(host.x), put(host.ids), put(host.weights)), jax.tree.map(put, per_rank_w1q)),
-          ((put(native_x(jnp.asarray(host.x))), put(host.ids)), put(native_w1(per_rank_w1q))))
+  return (((put(host.x), put(host.ids), put(host.weights)), jax.tree.map(put_w, per_rank_w1q)),
+          ((put(native_x(jnp.asarray(host.x))), put(host.ids)), put_w(native_w1(per_rank_w1q))))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ Both compute on the same values: the native paths get bf16 copies of the dequant
 weights (exact). The check: per rank, on a sample of tokens, relative norm <= 1e-2 and max error
 <= 3e-2 * max |ref| against reference tokens computed expert by expert in float32 (the native
 path's dropped slots masked out); tokens with no slot exactly 0; the engines' y byte-identical.
-One rank per device: CPU devices (--devices, 8), or with --gpu the devices of --platform; in a
+One rank per device: CPU devices (--devices, 8), or with --gpu the devices of --platform (--mesh,
+e.g. dp=2,ep=4: the ranks of "ep" in each of the other axes' groups, T tokens per device); in a
 multi-process launch (mpirun, or --coordinator/--num-processes/--process-id) every process's
 devices, each process holding the same host inputs (one seed) and checking the whole y.
 """
@@ -170,12 +171,12 @@ def stage_times(args, mesh, rt: jsm.Runtime, shape: jsm.MoEShape, T: int, inp, w
     route = primitives.route(ids, R, EL)
     return primitives.qpack(x, weights, route.send_pos), route.send_counts
 
-  fn = {name: per_rank_jit(mesh, f) for name, f in (
-      ("send", send),
-      ("dispatch", lambda carry: jsm.api.dispatch(*carry, runtime=rt, cap=cap)),
-      ("stage1", lambda inp, w1q: jsm.stage1(inp[0], inp[1:], w1q, runtime=rt)),
-      ("rows", lambda out1, w2q: jsm.api.gemm2_rows(out1, w2q, runtime=rt)),
-      ("combine", lambda rows, out1: jsm.api.combine(rows, out1, runtime=rt)))}
+  fn = {name: per_rank_jit(mesh, f, expert_args) for name, f, expert_args in (  # (w1q, w2q: 1)
+      ("send", send, ()),
+      ("dispatch", lambda carry: jsm.api.dispatch(*carry, runtime=rt, cap=cap), ()),
+      ("stage1", lambda inp, w1q: jsm.stage1(inp[0], inp[1:], w1q, runtime=rt), (1,)),
+      ("rows", lambda out1, w2q: jsm.api.gemm2_rows(out1, w2q, runtime=rt), (1,)),
+      ("combine", lambda rows, out1: jsm.api.combine(rows, out1, runtime=rt), ()))}
   carry = fn["send"](inp)
   out1 = fn["stage1"](inp, w[0])
   rows = fn["rows"](out1, w[1])
@@ -193,9 +194,10 @@ def layer_paths(args, mesh, shape: jsm.MoEShape, T: int, host: inputs.HostInputs
   R = mesh.shape[AXIS]
   E, K = shape.num_experts, shape.topk
   EL = E // R
-  put = functools.partial(inputs.to_ranks, mesh=mesh)
+  put = functools.partial(inputs.to_ranks, mesh=mesh, spec=inputs.rows_spec(mesh))  # tokens
+  put_w = functools.partial(inputs.to_ranks, mesh=mesh)  # experts, over AXIS alone
   by_rank = lambda q: jax.tree.map(lambda a: a.reshape(R, EL, *a.shape[1:]), q)  # on the host
-  per_rank = lambda q: jax.tree.map(put, by_rank(q))
+  per_rank = lambda q: jax.tree.map(put_w, by_rank(q))
   ids, weights = put(host.ids), put(host.weights)
   paths = []
   for engine in engines:
@@ -214,33 +216,34 @@ def layer_paths(args, mesh, shape: jsm.MoEShape, T: int, host: inputs.HostInputs
         swiglu_limit=shape.swiglu_limit, stage1_out=args.stage1_out))
     paths.append((f"native:layer(cf={args.capacity_factor:g})", "native", fn,
                   (put(inputs.native_x(jnp.asarray(host.x))), ids, weights),
-                  (put(inputs.native_w1(by_rank(w1q))), put(inputs.native_w1(by_rank(w2q)))),
+                  (put_w(inputs.native_w1(by_rank(w1q))), put_w(inputs.native_w1(by_rank(w2q)))),
                   None))
   return paths
 
 
 def layer_config(args, mesh, shape: jsm.MoEShape, T: int, engines: Sequence[str], skip: set,
                  rng: np.random.Generator, traces: list) -> list:
-  """One (shape, tokens): inputs, the paths, each checked, then each timed; a row per path.
-  --trace: each path's kernel table (bench/trace.py) appended to `traces`."""
-  R = mesh.shape[AXIS]
+  """One (shape, tokens): inputs (T tokens on each device of the mesh), the paths, each checked,
+  then each timed; a row per path. --trace: each path's kernel table (bench/trace.py) appended to
+  `traces`."""
+  R, N = mesh.shape[AXIS], mesh.size
   E, H = shape.num_experts, shape.hidden
   if E % R:
     raise SystemExit(f"shape {shape.name}: E = {E} is not a multiple of {R} ranks")
   tag = f"[{shape.name} T={T}]"
-  x, ids, weights = inputs.make_tokens(shape, R, T, rng)
+  x, ids, weights = inputs.make_tokens(shape, N, T, rng)
   host = inputs.HostInputs(x, ids, weights, None)  # (the weights are made on the device)
   w1q, w2q = inputs.default_device_weights(shape, jax.random.key(int(rng.integers(2**31))))
   sample = np.stack([np.sort(rng.choice(T, min(T, SAMPLE_TOKENS), replace=False))
-                     for _ in range(R)]) if T else np.zeros((R, 0), int)
+                     for _ in range(N)]) if T else np.zeros((N, 0), int)
 
-  def ref_for(ids_used) -> np.ndarray:  # the sampled tokens' float32 y [R, S, H]
+  def ref_for(ids_used) -> np.ndarray:  # the sampled tokens' float32 y [N, S, H]
     take = lambda a: np.take_along_axis(np.asarray(a), sample[..., None], 1).reshape(
         -1, *np.shape(a)[2:])
     y = token_reference(jnp.asarray(take(host.x)), jnp.asarray(take(ids_used)),
                         jnp.asarray(take(host.weights)), w1q, w2q,
                         swiglu_limit=shape.swiglu_limit, stage1_out=args.stage1_out)
-    return np.asarray(y).reshape(R, sample.shape[1], H)
+    return np.asarray(y).reshape(N, sample.shape[1], H)
 
   engine_ref = ref_for(host.ids)
   rows, engine_y = [], {}
@@ -301,20 +304,12 @@ def format_layer_table(rows: Sequence[dict]) -> str:
 
 
 def layer_main(args, skip: set, shapes: Sequence[str], tokens: Sequence[int],
-               engines: Sequence[str], launch: str) -> list:
-  """--layer: every (shape, tokens) on R devices (of this process, or of every process in a
-  multi-process launch); process 0 prints the table and writes <tag>.json under --out."""
+               engines: Sequence[str], launch: str, mesh) -> list:
+  """--layer: every (shape, tokens) on the mesh's devices (of this process, or of every process
+  in a multi-process launch; bench/run.py layer_mesh); process 0 prints the table and writes
+  <tag>.json under --out."""
   platform = args.platform if args.gpu else "cpu"
-  devices = jax.devices(platform)  # every process's, in a multi-process launch
-  if launch != "single":
-    R = len(devices)
-  else:
-    R = args.devices or (len(devices) if platform == "cpu" else 1)
-  if len(devices) < R:
-    raise SystemExit(f"--layer: {R} {platform} devices requested, jax sees {len(devices)}")
-  devices = devices[:R]
-  mesh = jax.make_mesh((R,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,),
-                       devices=devices)
+  devices = list(mesh.devices.flat)
   rng = np.random.default_rng(args.seed)
   out = Path(args.out) / f"{args.tag or 'layer-' + platform}.json"
   out.parent.mkdir(parents=True, exist_ok=True)

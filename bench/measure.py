@@ -112,7 +112,7 @@ def check_and_time(args, paths: Sequence[BenchPath], ref: Reference, shape: jsm.
                    T: int, ceilings: dict, tag: str) -> list:
   """Checks every path (all before any timing), then times those that passed; one row per path.
   A path that fails at run time gets a failed row; a wrong result raises CheckError."""
-  R = ref.layout.num_rows.shape[0]
+  N = ref.layout.num_rows.shape[0]  # devices: every group's ranks
   rows_total = int(np.sum(ref.layout.num_rows))
   rows, checked = [], []
 
@@ -144,7 +144,7 @@ def check_and_time(args, paths: Sequence[BenchPath], ref: Reference, shape: jsm.
     except RUN_FAILURES as e:
       failed(c.path, e)
       continue
-    add_rates(row, rows_total - c.dropped, R * T, c.path.row_bytes, c.path.compute_dtype, shape,
+    add_rates(row, rows_total - c.dropped, N * T, c.path.row_bytes, c.path.compute_dtype, shape,
               ceilings)
     rows.append(row)
   return rows
@@ -163,7 +163,8 @@ def run_paths(args, skip: set, mesh, shape: jsm.MoEShape, T: int, cap: int, ref:
 
 def finish_rows(rows: list, shape: jsm.MoEShape, T: int, R: int, cap: int, rows_total: int,
                 **extra) -> list:
-  """Tags a configuration's rows and sets each one's speed against the fastest JAX-native path."""
+  """Tags a configuration's rows (R: the ranks of an EP group; rows_total: over every group) and
+  sets each one's speed against the fastest JAX-native path."""
   jax.clear_caches()  # the next configuration compiles its own; the memory goes back
   natives = [r["stage1"]["median_ms"] for r in rows if r["kind"] == "native" and "failed" not in r]
   best_native = min(natives, default=None)
@@ -176,25 +177,27 @@ def finish_rows(rows: list, shape: jsm.MoEShape, T: int, R: int, cap: int, rows_
 
 def host_config(args, skip: set, mesh, shape: jsm.MoEShape, T: int, engines: Sequence[str],
                 ceilings: dict, rng: np.random.Generator) -> list:
-  """R ranks on host devices: checks every path on fresh inputs against the full reference, then
-  times them and the reference itself; returns one result row per path."""
-  R = mesh.shape[inputs.AXIS]
+  """R ranks of each EP group on host devices (N = R * groups): checks every path on fresh inputs
+  against the full reference, then times them and the reference itself; returns one result row
+  per path."""
+  R, N = mesh.shape[inputs.AXIS], mesh.size
   E, K = shape.num_experts, shape.topk
   if E % R:
     raise SystemExit(f"shape {shape.name}: E = {E} is not a multiple of {R} ranks")
   cap = layout.m_cap(R, T, K, E // R, args.row_align)
   tag = f"[{shape.name} T={T}]"
-  host = inputs.make_inputs(shape, R, T, rng)
+  host = inputs.make_inputs(shape, N, T, rng)
   w1q = jsm.quantize_w1(jnp.asarray(host.w1))
 
   # the reference (one device): the check target, and a JAX-native baseline timed below
-  ref_fn = functools.partial(reference.stage1, row_align=args.row_align, cap=cap,
-                             swiglu_limit=shape.swiglu_limit)
+  ref_fn = inputs.per_group(functools.partial(reference.stage1, row_align=args.row_align, cap=cap,
+                                              swiglu_limit=shape.swiglu_limit), R)
   ref_args = jax.device_put((host.x, host.ids, host.weights, w1q), jax.local_devices()[0])
   (ref, h32), _ = first_call(jax.jit(functools.partial(ref_fn, return_f32=True)), *ref_args)
   ref = full_reference(to_host(ref), np.asarray(h32))
   rows_total = int(ref.layout.num_rows.sum())
-  progress(f"{tag} reference: {rows_total} rows over {R} ranks, M_cap {cap}")
+  progress(f"{tag} reference: {rows_total} rows over {R} ranks" +
+           (f" in each of {N // R} EP groups" if N > R else "") + f", M_cap {cap}")
 
   engine_data, native_data = inputs.host_inputs_on_mesh(mesh, host, w1q)
   rows = run_paths(args, skip, mesh, shape, T, cap, ref, engines, engine_data, native_data, "f32",
@@ -205,15 +208,16 @@ def host_config(args, skip: set, mesh, shape: jsm.MoEShape, T: int, engines: Seq
   _, first_s = first_call(ref_jit, *ref_args)
   ref_row = timed_row(REFERENCE_PATH, "native", None, 0, None, ref_jit, ref_args, first_s,
                       args.iters, args.warmup)
-  add_rates(ref_row, rows_total, R * T, None, "f32", shape, ceilings)
+  add_rates(ref_row, rows_total, N * T, None, "f32", shape, ceilings)
   return finish_rows(rows + [ref_row], shape, T, R, cap, rows_total)
 
 
 def device_config(args, skip: set, mesh, shape: jsm.MoEShape, T: int, weights: tuple,
                   engines: Sequence[str], ceilings: dict, key, rng: np.random.Generator) -> list:
-  """--gpu, R devices of one process or one per process: inputs made on the devices, the sampled
-  check, XLA's dense bf16 matmul of one rank's gemm1 FLOPs as this configuration's matmul
-  ceiling, then every path timed. weights: device_weights(shape)."""
+  """--gpu, the mesh's devices (of one process or one per process; R ranks of AXIS in each EP
+  group): inputs made on the devices, the sampled check, XLA's dense bf16 matmul of one rank's
+  gemm1 FLOPs as this configuration's matmul ceiling, then every path timed. weights:
+  device_weights(shape)."""
   E, K, H, I = shape.num_experts, shape.topk, shape.hidden, shape.intermediate
   R = mesh.shape[inputs.AXIS]
   cap = layout.m_cap(R, T, K, E // R, args.row_align)
@@ -230,7 +234,8 @@ def device_config(args, skip: set, mesh, shape: jsm.MoEShape, T: int, weights: t
   dense = {"shape": shape.name, "tokens": T,
            **dense_bf16_matmul(T * K, H, 2 * I, args.iters, args.warmup, k_dense)}
   ceilings["dense_bf16"].append(dense)
-  config_ceilings = {**ceilings, "matmul_gflops": {"bf16": dense["gflops"]}, "rate_devices": R}
+  config_ceilings = {**ceilings, "matmul_gflops": {"bf16": dense["gflops"]},
+                     "rate_devices": mesh.size}
 
   rows = run_paths(args, skip, mesh, shape, T, cap, ref, engines, (engine_inputs, w1q),
                    (native_inputs, w_native), "bf16", config_ceilings, tag)

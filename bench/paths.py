@@ -16,7 +16,7 @@ import jax_sdma_moe as jsm
 from jax_sdma_moe import layout, primitives
 
 from bench.checks import check_engine
-from bench.inputs import AXIS
+from bench.inputs import AXIS, rows_spec
 
 STAGES = ("route+qpack", "dispatch", "gemm1")
 TIMELINE_FIELDS = ("gemm_start_ms", "gemm_end_ms", "side_end_ms", "first_chunk_ms")
@@ -44,12 +44,18 @@ def dispatch_row_bytes(H: int) -> int:
   return H + H // layout.BLOCK + 12
 
 
-def per_rank_jit(mesh, fn: Callable) -> Callable:
-  """jit(shard_map(fn)) where every argument and result is stacked over ranks on axis 0."""
+def per_rank_jit(mesh, fn: Callable, expert_args: Sequence[int] = (1,)) -> Callable:
+  """jit(shard_map(fn)) over every axis of the mesh, where every argument and result is stacked
+  on axis 0 over the devices (inputs.rows_spec), except the arguments at `expert_args` (those
+  there are: the expert weights), stacked over the ranks of AXIS alone."""
   def body(*args):
     out = fn(*jax.tree.map(lambda a: a[0], args))
     return jax.tree.map(lambda a: a[None], out)
-  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+
+  def jitted(*args):
+    specs = tuple(P(AXIS) if i in expert_args else rows_spec(mesh) for i in range(len(args)))
+    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=rows_spec(mesh))(*args)
+  return jax.jit(jitted)
 
 
 def engine_path(mesh, rt: jsm.Runtime, shape: jsm.MoEShape, cap: int, inputs, w1q,

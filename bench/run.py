@@ -11,9 +11,11 @@ calls after --warmup more. It prints a table and writes JSON (after every config
 to --out.
 
 Modes:
-  CPU (default)  R ranks on virtual CPU devices (--devices, 8): inputs made on the host, every path
-                 checked against the full reference.stage1, which is timed too; ceilings: host
-                 memcpy and matmul.
+  CPU (default)  R ranks on virtual CPU devices (--devices, 8; or --mesh, e.g. dp=2,ep=4: then R
+                 of "ep" in each EP group, T tokens on every device; --gpu and --layer take it
+                 too): inputs made on the host, every path checked against the full
+                 reference.stage1 (of each group), which is timed too; ceilings: host memcpy and
+                 matmul.
   --gpu          R = --devices GPUs of this process (1: engine local; more: ce, sm, xla and the peer
                  copy as the wire ceiling): inputs and weights made on the devices; checks: layout
                  arrays against reference.dispatch, h of a sample of experts against a float32
@@ -41,6 +43,7 @@ configuration), gemm_peers.py (gemm1's peers), tables.py and report.py (output),
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -54,6 +57,8 @@ USAGE = """Examples (from the repository root):
   python bench/run.py --gpu --devices 2 --shapes dsv3
   python bench/run.py --gpu --gemm1-rows 128x2,32768,65536 --experts 128 --rounds 6  # issue 13
   python bench/run.py --layer --platform cpu --devices 8   # the whole layer (issue 16)
+  python bench/run.py --layer --mesh dp=2,ep=4   # the layer inside a (dp, ep) mesh: 2 EP groups
+  python bench/run.py --mesh dp=2,ep=4 --tokens 32   # Stage1 likewise (T tokens per device)
   mpirun --allow-run-as-root -n 2 python bench/run.py --gpu --shapes dsv3   # one GPU per process
   mpirun --allow-run-as-root -n 2 python bench/run.py --tokens 32,128   # 2 processes, 1 rank each
   python bench/run.py --coordinator localhost:12345 --num-processes 2 --process-id 0 & \\
@@ -72,6 +77,7 @@ DEFAULT_GPU_MULTI_ENGINES = "ce,sm,xla"  # --gpu --devices R > 1
 DEFAULT_GPU_MULTI_PROCESS_ENGINES = "ce,sm"  # --gpu multi-process (Runtime refuses xla there)
 MULTI_PROCESS_ENGINES = "xla"  # engine cpu moves rows between the devices of one process only
 DEFAULT_DEVICES = 8
+EP_AXIS = "ep"  # the mesh axis of the experts (bench/inputs.py AXIS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--devices", type=int, help=f"ranks: virtual CPU devices (default: "
                  f"{DEFAULT_DEVICES}), --gpu: GPUs of this process (default: 1); multi-process: "
                  "one per process")
+  p.add_argument("--mesh", metavar="AXIS=N,...", type=parse_mesh,
+                 help=f"the device mesh, e.g. dp=2,ep=4: its axes in order, one of them "
+                 f"'{EP_AXIS}' (the experts' axis); tokens (--tokens per device) split over every "
+                 f"axis, each combination of the other axes' coordinates an independent EP group, "
+                 f"the expert weights split over '{EP_AXIS}' and the same on every group; its "
+                 f"size is the devices (--devices, if given, must match) (default: "
+                 f"{EP_AXIS}=<every device>)")
   p.add_argument("--iters", type=int, default=20, help="timed calls per measurement (default: "
                  "%(default)s)")
   p.add_argument("--warmup", type=int, default=3, help="untimed calls before timing (default: "
@@ -172,6 +185,37 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
+def parse_mesh(text: str) -> dict:
+  """--mesh "dp=2,ep=4" -> {"dp": 2, "ep": 4} (in order), with EP_AXIS among the axes."""
+  axes = {}
+  for item in text.split(","):
+    name, sep, size = item.partition("=")
+    if not sep or not name or name in axes or not size.isdigit() or int(size) < 1:
+      raise argparse.ArgumentTypeError(f"{text!r}: AXIS=N pairs, comma separated, each axis once "
+                                       "and N >= 1 (e.g. dp=2,ep=4)")
+    axes[name] = int(size)
+  if EP_AXIS not in axes:
+    raise argparse.ArgumentTypeError(f"{text!r}: no axis {EP_AXIS!r} (the experts' axis)")
+  return axes
+
+
+def mesh_devices(args, default: int) -> int:
+  """The devices a run's mesh takes: --mesh's size, else --devices, else `default`."""
+  if args.mesh is None:
+    return args.devices or default
+  n = math.prod(args.mesh.values())
+  if args.devices not in (None, n):
+    raise SystemExit(f"--devices {args.devices} and --mesh {args.mesh} ({n} devices) disagree")
+  return n
+
+
+def make_mesh(args, devices, axis_type):
+  """The run's mesh over `devices` (len: mesh_devices): --mesh's axes, else EP_AXIS alone."""
+  axes = args.mesh or {EP_AXIS: len(devices)}
+  return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(axis_type,) * len(axes),
+                       devices=devices)
+
+
 def launch_mode(args) -> str:
   """'mpirun' (Open MPI's environment with more than one process), 'explicit' (--coordinator,
   --num-processes, --process-id) or 'single' (one process: `mpirun -n 1` too)."""
@@ -195,9 +239,9 @@ def configure_platform(args) -> None:
   if launch_mode(args) != "single":
     force_host_devices(1)
   elif not args.gpu:
-    force_host_devices(args.devices or DEFAULT_DEVICES)
+    force_host_devices(mesh_devices(args, DEFAULT_DEVICES))
   elif args.platform == "cpu":  # --gpu --platform cpu --devices R: R virtual CPU devices
-    force_host_devices(args.devices or 1)
+    force_host_devices(mesh_devices(args, 1))
 
 
 def force_host_devices(n: int) -> None:
@@ -276,14 +320,16 @@ def main(args) -> None:
   engines = comma_list(args.engines or default_engines)
   skip = skipped_natives(args)  # rejects unknown names before anything runs
   gemm_peers.parse_skip(args.skip_peers)
-  if args.gemm1_rows and (not args.gpu or launch != "single"):
-    raise SystemExit("--gemm1-rows: --gpu in one process (it runs on the first device)")
+  if args.gemm1_rows and (not args.gpu or launch != "single" or args.mesh):
+    raise SystemExit("--gemm1-rows: --gpu in one process, no --mesh (it runs on the first "
+                     "device)")
   if args.rounds < 0 or (args.rounds and not args.gemm1_rows):
     raise SystemExit(f"--rounds {args.rounds}: a count of rounds >= 0, with --gemm1-rows")
   start_processes(args, launch)
   try:
     if args.layer:
-      rows = layer.layer_main(args, skip, shapes, tokens, engines, launch)
+      rows = layer.layer_main(args, skip, shapes, tokens, engines, launch,
+                              layer_mesh(args, launch))
     elif args.gemm1_rows:
       rows = gemm1_main(args, shapes)
     else:
@@ -292,6 +338,23 @@ def main(args) -> None:
     raise SystemExit(f"CHECK FAILED (aborted before timing it; results so far in --out): {e}")
   if any("failed" in r for r in rows if r["kind"] in ("engine", "gemm1")):
     raise SystemExit("an engine path or gemm1 failed at run time (see the table)")
+
+
+def layer_mesh(args, launch: str):
+  """--layer's mesh over devices of --platform (without --gpu: the CPU): every process's in a
+  multi-process launch, else --mesh's or --devices' (default: every CPU device; one GPU)."""
+  platform = args.platform if args.gpu else "cpu"
+  devices = jax.devices(platform)  # every process's, in a multi-process launch
+  if launch != "single":
+    n = len(devices)
+    if args.mesh and mesh_devices(args, n) != n:
+      raise SystemExit(f"--layer --mesh: a multi-process run has one rank per device of every "
+                       f"process, {n} here")
+  else:
+    n = mesh_devices(args, len(devices) if platform == "cpu" else 1)
+  if len(devices) < n:
+    raise SystemExit(f"--layer: {n} {platform} devices requested, jax sees {len(devices)}")
+  return make_mesh(args, devices[:n], jax.sharding.AxisType.Explicit)
 
 
 def multi_process_tag(launch: str) -> str:
@@ -308,19 +371,18 @@ def host_main(args, skip, shapes, tokens, engines, launch: str) -> list:
   """R ranks: the virtual CPU devices of this process, or (multi-process) every device of every
   process."""
   if launch == "single":
-    R = args.devices or DEFAULT_DEVICES
+    R = mesh_devices(args, DEFAULT_DEVICES)
     if len(jax.devices()) < R:
       raise SystemExit(f"{R} devices requested, jax sees {len(jax.devices())}: set "
                        f"XLA_FLAGS=--xla_force_host_platform_device_count={R} before "
                        "jax is imported (running bench/run.py as a script does)")
   else:
     R = jax.device_count()
-    if args.devices not in (None, R):
-      raise SystemExit(f"--devices {args.devices}: a multi-process run has one rank per device of "
+    if mesh_devices(args, R) != R:
+      raise SystemExit(f"--devices/--mesh: a multi-process run has one rank per device of "
                        f"every process, {R} here")
   devices = jax.devices()[:R]
-  mesh = jax.make_mesh((R,), (inputs.AXIS,), axis_types=(jax.sharding.AxisType.Explicit,),
-                       devices=devices)
+  mesh = make_mesh(args, devices, jax.sharding.AxisType.Explicit)
   progress("measuring ceilings")
   ceilings = timing.measure_ceilings()
   notes = multi_process_notes(tables.NOTES, launch)
@@ -377,19 +439,20 @@ def gemm1_main(args, shapes) -> list:
 
 
 def device_main(args, skip, shapes, tokens, engines, launch: str) -> list:
-  """--gpu: R = --devices (default 1) devices of --platform in this process, or (multi-process)
-  one device per process; everything made and measured on the devices."""
+  """--gpu: R = --devices (default 1; or --mesh's size) devices of --platform in this process, or
+  (multi-process) one device per process; everything made and measured on the devices."""
   devices = platform_devices(args)
-  R = (args.devices or 1) if launch == "single" else len(devices)
+  R = mesh_devices(args, 1) if launch == "single" else len(devices)
+  if launch != "single" and args.mesh and mesh_devices(args, R) != R:
+    raise SystemExit(f"--mesh: a multi-process run has one device per process, {R}")
   if len(devices) < R:
     raise SystemExit(f"--gpu --devices {R}: only {len(devices)} {args.platform} devices")
   devices = devices[:R]
   device = jax.local_devices(backend=args.platform)[0]
   on_gpu = device.platform != "cpu"
-  # Auto axis: the stacked [R, ...] arrays then also feed plain jnp code (the reference), which
+  # Auto axes: the stacked [R, ...] arrays then also feed plain jnp code (the reference), which
   # refuses to reduce over an Explicit-sharded axis
-  mesh = jax.make_mesh((R,), (inputs.AXIS,), axis_types=(jax.sharding.AxisType.Auto,),
-                       devices=devices)
+  mesh = make_mesh(args, devices, jax.sharding.AxisType.Auto)
   key = jax.random.key(args.seed)
   rng = np.random.default_rng(args.seed)  # picks the randomly checked experts
   rows = []

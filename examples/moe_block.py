@@ -58,11 +58,29 @@ def dense_block(x, w_router, w1q, w2q, *, K, swiglu_limit):
   return x.astype(jnp.float32) + y, y, ids
 
 
+def compare(label: str, engine: str, same_routing: bool, out, y, want_out, want_y,
+            ranks: int) -> bool:
+  """A block's output and MoE(x) y against the dense block's (host float32 arrays; y's rows in
+  `ranks` equal parts, one per rank), printed in a line: whether the routing was the same, y within
+  REL_TOL and MAX_TOL on every rank and the output within REL_TOL."""
+  ok, worst = same_routing, 0.0
+  for rows in np.split(np.arange(len(y)), ranks):
+    rel = np.linalg.norm(y[rows] - want_y[rows]) / np.linalg.norm(want_y[rows])
+    mx = np.max(np.abs(y[rows] - want_y[rows])) / np.max(np.abs(want_y[rows]))
+    ok &= bool(rel <= REL_TOL and mx <= MAX_TOL)
+    worst = max(worst, rel)
+  block_rel = np.linalg.norm(out - want_out) / np.linalg.norm(want_out)
+  ok &= bool(block_rel <= REL_TOL)
+  print(f"  {label}, engine {engine}: routing {'==' if same_routing else '!='} dense; MoE(x) "
+        f"worst rank ||y-dense||/||dense|| = {worst:.2e}; block output {block_rel:.2e}  "
+        f"{'OK' if ok else 'FAIL'}")
+  return ok
+
+
 def run(devices, params) -> bool:
   """The block on `devices` against the dense computation; whether it passed."""
   x, w_router, w1q, w2q = params
   R = len(devices)
-  T = x.shape[0] // R
   shape = jsm.SHAPES["small"]
   mesh = jax.make_mesh((R,), ("ep",), axis_types=(jax.sharding.AxisType.Explicit,),
                        devices=devices)
@@ -78,20 +96,8 @@ def run(devices, params) -> bool:
       *a, K=shape.topk, swiglu_limit=shape.swiglu_limit))(x, w_router, w1q, w2q)
   out, y, want_out, want_y = (np.asarray(a, np.float32) for a in (out, y, want_out, want_y))
   same_routing = np.array_equal(np.sort(np.asarray(ids), -1), np.sort(np.asarray(want_ids), -1))
-  ok = same_routing
-  worst = 0.0
-  for r in range(R):
-    rows = slice(r * T, (r + 1) * T)
-    rel = np.linalg.norm(y[rows] - want_y[rows]) / np.linalg.norm(want_y[rows])
-    mx = np.max(np.abs(y[rows] - want_y[rows])) / np.max(np.abs(want_y[rows]))
-    ok &= rel <= REL_TOL and mx <= MAX_TOL
-    worst = max(worst, rel)
-  block_rel = np.linalg.norm(out - want_out) / np.linalg.norm(want_out)
-  ok &= block_rel <= REL_TOL
-  print(f"  {R} x {devices[0].platform}, engine {engine}: routing {'==' if same_routing else '!='}"
-        f" dense; MoE(x) worst rank ||y-dense||/||dense|| = {worst:.2e}; block output "
-        f"{block_rel:.2e}  {'OK' if ok else 'FAIL'}")
-  return ok
+  return compare(f"{R} x {devices[0].platform}", engine, same_routing, out, y, want_out, want_y,
+                 R)
 
 
 def main():

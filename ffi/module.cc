@@ -132,7 +132,10 @@ PYBIND11_MODULE(_jsm_ffi, m) {
       py::arg("ce") = int64_t(jsm::EngineId::kCe), py::arg("sm") = int64_t(jsm::EngineId::kSm),
       py::arg("sdma") = int64_t(jsm::EngineId::kSdma));
   // The cpu engine's window table of a Runtime: its id is the `dispatch` attribute's window_set.
-  m.def("cpu_windows_create", &jsm::cpu_windows_create, py::arg("num_ranks"));
+  // num_groups: the EP groups of a mesh with other axes; a call's rank operand is its slot
+  // group * num_ranks + rank (kernels/cpu/window_table.h)
+  m.def("cpu_windows_create", &jsm::cpu_windows_create, py::arg("num_ranks"),
+        py::arg("num_groups") = 1);
   m.def("cpu_windows_destroy", &jsm::cpu_windows_destroy, py::arg("table_id"));
   // The bytes of one rank's window of a window engine (ce, sm: kernels/common/ep_window.h; sdma:
   // kernels/rocm/sdma/window.h) for a dispatch geometry, as its window set allocates it; every

@@ -10,7 +10,8 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class Faults:
-  """absent_rank: this rank of the axis skips its part of every dispatch and combine (-1: none).
+  """absent_rank: this rank of the axis (in every EP group) skips its part of every dispatch and
+  combine (-1: none).
   delay_rank: this rank starts each call delay_ms late (-1: none); the delay is slept for at most
   the Runtime's timeout_s."""
   absent_rank: int = -1

@@ -226,7 +226,8 @@ def _check_runtime(runtime, what: str) -> None:
 
 
 def _check_axis(runtime: Runtime, what: str) -> None:
-  """Raises ValueError unless called inside shard_map over the Runtime's axis, of its size."""
+  """Raises ValueError unless called inside shard_map over the Runtime's axis, of its size, and
+  manual over every other axis of its mesh longer than one."""
   R, axis = runtime.num_ranks, runtime.axis_name
   try:
     axis_size = lax.axis_size(axis)
@@ -243,6 +244,21 @@ def _check_axis(runtime: Runtime, what: str) -> None:
                      f"axis_name= the shard_map's EP axis") from None
   if axis_size != R:
     raise ValueError(f"{what}: axis {axis!r} has {axis_size} ranks but the Runtime has {R}")
+  # the other axes of the mesh (its EP groups, DESIGN.md §2) must be manual too: a shard_map
+  # manual over the EP axis only (axis_names={axis}) leaves them to XLA's partitioner, which
+  # would run one group's exchange on devices of several
+  for other, n in runtime.group_axes:
+    if n == 1:
+      continue
+    try:
+      size = lax.axis_size(other)
+    except NameError:
+      raise ValueError(f"{what}: the Runtime's mesh {dict(runtime.mesh.shape)} has axis "
+                       f"{other!r} beside the EP axis {axis!r}, but the shard_map is not manual "
+                       f"over it; shard_map over every axis of the mesh (leave axis_names out, "
+                       f"or name them all)") from None
+    if size != n:
+      raise ValueError(f"{what}: axis {other!r} has {size} devices but the Runtime's mesh has {n}")
 
 
 def _check_w2(w2q, EL: int, I: int, what: str, H: Optional[int] = None) -> int:

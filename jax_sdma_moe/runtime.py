@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import math
 import os
 import threading
 import weakref
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
 from jax.sharding import Mesh
 
 from . import _testing, engines, primitives
@@ -68,6 +72,12 @@ class Runtime:
   per rank, sized at the first call of each shape), the CUDA engines' device windows on every GPU
   of the axis (made at the first trace of each shape). close() frees them; so does interpreter
   exit. Calls on one Runtime must run in the same order on every rank (they do under shard_map).
+
+  On a mesh with other axes (any names and sizes, the EP axis anywhere among them) every
+  combination of the other axes' coordinates is an independent EP group of num_ranks devices:
+  `group_axes` ((name, size) of the other axes in mesh order), `num_groups` (G),
+  `group_devices` ([G, R] devices), `group_index()` (in the trace), `device_group_rank(d)` (on
+  the host). Calls run inside a shard_map over every axis of the mesh.
   """
 
   def __init__(self, mesh: Mesh, axis_name: str = "ep", config: Stage1Config = Stage1Config(), *,
@@ -85,8 +95,17 @@ class Runtime:
     self.platform = lowering_platform or mesh_platform(mesh)
     self.lowering_only = self.platform != mesh_platform(mesh)
     self.multi_process = any(d.process_index != jax.process_index() for d in mesh.devices.flat)
+    # EP groups (DESIGN.md §2): every combination of the other axes' coordinates is an independent
+    # group of num_ranks devices along the EP axis; group_axes are those axes in mesh order
+    self.group_axes = tuple((a, int(n)) for a, n in mesh.shape.items() if a != axis_name)
+    self.num_groups = math.prod(n for _, n in self.group_axes)
     # whether the axis is the mesh's only axis longer than one (the window engines need it)
-    self.only_axis = all(n == 1 for a, n in mesh.shape.items() if a != axis_name)
+    self.only_axis = self.num_groups == 1
+    # [G, R]: the device of each (group, rank); groups_local: every group within one process
+    self.group_devices = np.moveaxis(
+        mesh.devices, mesh.axis_names.index(axis_name), -1).reshape(self.num_groups,
+                                                                    self.num_ranks)
+    self.groups_local = all(len({d.process_index for d in g}) == 1 for g in self.group_devices)
     self.serial = next(_runtime_serial)
     if self.lowering_only and self.platform not in primitives.LOWERING_PLATFORMS:
       raise ValueError(f"Runtime: lowering_platform must be one of "
@@ -103,6 +122,7 @@ class Runtime:
     engine_cls = engines.select(
         config.engine, platform=self.platform, num_ranks=self.num_ranks,
         multi_process=self.multi_process, only_axis=self.only_axis,
+        groups_local=self.groups_local,
         has_cuda=self.platform == "cuda" and (self.lowering_only or
                                               primitives.extension().has_cuda()))
     engine_cls.check_mesh(self)
@@ -115,6 +135,22 @@ class Runtime:
     # runtime_registry.h); the module is kept for _close_at_exit
     self._ext = primitives.extension()
     self._ext.runtime_open(self.serial)
+
+  def group_index(self) -> jax.Array:
+    """Inside the shard_map (over every axis of the mesh): this device's EP group, the linear
+    index of its coordinates on the other axes in mesh order (row-major), int32 in [0, G)."""
+    g = jnp.int32(0)
+    for a, n in self.group_axes:
+      if n > 1:
+        g = g * n + lax.axis_index(a)
+    return g
+
+  def device_group_rank(self, device) -> tuple:
+    """On the host: (group, rank within the group) of a device of the mesh."""
+    where = np.argwhere(self.group_devices == device)
+    if not len(where):
+      raise ValueError(f"device {device} is not in the Runtime's mesh")
+    return int(where[0][0]), int(where[0][1])
 
   @property
   def closed(self) -> bool:
@@ -139,11 +175,13 @@ class Runtime:
     self.engine.check()
 
   def shard_w1(self, w1q):
-    """Places QuantizedW1 [E, 2I, H] on the mesh, E/R experts per rank along the axis."""
+    """Places QuantizedW1 [E, 2I, H] on the mesh, E/R experts per rank along the axis (the same
+    in every group: replicated over the other axes)."""
     return self._shard_experts(w1q, "shard_w1")
 
   def shard_w2(self, w2q):
-    """Places QuantizedW2 [E, H, I] on the mesh, E/R experts per rank along the axis."""
+    """Places QuantizedW2 [E, H, I] on the mesh, E/R experts per rank along the axis (replicated
+    over the other axes)."""
     return self._shard_experts(w2q, "shard_w2")
 
   def _shard_experts(self, wq, what: str):

@@ -82,6 +82,9 @@ class EnginesTest(absltest.TestCase):
     self.assertEqual(pick(has_cuda=False), "xla")
     self.assertEqual(pick(platform="cpu"), "cpu")
     self.assertEqual(pick(platform="cpu", multi_process=True), "xla")
+    # EP groups: cpu on another axis too, and across processes where each group is in one
+    self.assertEqual(pick(platform="cpu", only_axis=False), "cpu")
+    self.assertEqual(pick(platform="cpu", multi_process=True, groups_local=True), "cpu")
     # ROCm: local on one GPU; xla across GPUs (engine sdma has never run on AMD hardware)
     self.assertEqual(pick(platform="rocm", has_cuda=False, num_ranks=1), "local")
     self.assertEqual(pick(platform="rocm", has_cuda=False), "xla")

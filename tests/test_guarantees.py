@@ -308,13 +308,12 @@ class RuntimeUseTest(parameterized.TestCase):
       self.assertIsNone(cm.exception.__cause__)
       self.assertTrue(cm.exception.__suppress_context__)
 
-  def test_engine_cpu_refuses_a_second_axis(self):
+  def test_engine_cpu_serves_ep_groups(self):
+    # a second axis: one EP group per dp coordinate, each with its own windows (tests/test_mesh.py)
     devs = np.array(jax.devices()[:R]).reshape(2, R // 2)
     m2 = jax.sharding.Mesh(devs, ("dp", "ep"))
-    with self.assertRaisesRegex(ValueError, "engine 'cpu' needs a mesh whose only axis"):
-      jsm.Runtime(m2, "ep", jsm.Stage1Config(engine="cpu"))
     with jsm.Runtime(m2, "ep", jsm.Stage1Config()) as rt:
-      self.assertEqual(rt.engine.name, "xla")
+      self.assertEqual((rt.engine.name, rt.num_groups, rt.num_ranks), ("cpu", 2, R // 2))
 
 
 class ForwardOnlyTest(absltest.TestCase):

@@ -7,6 +7,8 @@ picks one (`select`) and holds one instance, which owns the engine's per-Runtime
 (windows)."""
 from __future__ import annotations
 
+from typing import Optional
+
 from .base import Engine
 from .ce import CeEngine
 from .cpu import CpuEngine
@@ -22,10 +24,13 @@ NOT_BUILT = {}
 
 
 def select(name, *, platform: str, num_ranks: int, multi_process: bool, only_axis: bool,
-           has_cuda: bool) -> type:
-  """The engine class for Stage1Config.engine = name (None: the default for the mesh)."""
+           has_cuda: bool, groups_local: Optional[bool] = None) -> type:
+  """The engine class for Stage1Config.engine = name (None: the default for the mesh).
+  groups_local: every EP group of the mesh lies within one process (None: not multi_process)."""
+  if groups_local is None:
+    groups_local = not multi_process
   if name is None:
-    if platform == "cpu" and only_axis and not multi_process:
+    if platform == "cpu" and groups_local:
       name = "cpu"
     elif num_ranks == 1:
       name = "local"

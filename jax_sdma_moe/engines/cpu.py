@@ -14,22 +14,36 @@ class CpuEngine(FfiDispatchEngine):
   @classmethod
   def check_mesh(cls, runtime):
     super().check_mesh(runtime)
-    if runtime.multi_process:
-      raise ValueError("Runtime: engine 'cpu' moves rows between the devices of one process; this "
-                       "mesh spans several processes (jax.distributed): use engine 'xla'")
-    if not runtime.only_axis:
-      # its window table holds one set of windows per rank of the axis: two groups' ranks of
-      # the same index would share one
-      raise ValueError(f"Runtime: engine 'cpu' needs a mesh whose only axis longer than one is "
-                       f"{runtime.axis_name!r}, got {dict(runtime.mesh.shape)}; use engine 'xla' "
-                       f"(the default on such a mesh)")
+    if not runtime.groups_local:
+      # its windows are the process's memory: every group's ranks must be in one process (a mesh
+      # across processes whose groups each lie in one, e.g. dp across them, is served)
+      raise ValueError(f"Runtime: engine 'cpu' moves rows between the devices of one process; an "
+                       f"EP group of axis {runtime.axis_name!r} on this mesh "
+                       f"{dict(runtime.mesh.shape)} spans several processes (jax.distributed): "
+                       f"use engine 'xla'")
 
   def __init__(self, runtime):
     super().__init__(runtime)
     primitives.registered_platforms()
     self._ext = primitives.extension()  # kept: close_at_exit runs when module globals are gone
-    # the window table (two parity slots per rank, sized at the first call of each shape)
-    self._table = self._ext.cpu_windows_create(runtime.num_ranks)
+    # the window table: G * R rank slots (two parity slots each, sized at the first call of each
+    # shape; a group's windows made by its first call, so a process makes only its own groups')
+    self._table = self._ext.cpu_windows_create(runtime.num_ranks, runtime.num_groups)
+
+  def table_slot(self, rank):
+    """The rank operand of this engine's calls: the table slot group * R + rank (rank: within the
+    group, lax.axis_index of the EP axis)."""
+    rt = self.runtime
+    if rt.num_groups == 1:
+      return rank
+    return rt.group_index() * rt.num_ranks + rank
+
+  def dispatch(self, send, send_counts, rank, *, cap, axis_overflow=False):
+    return super().dispatch(send, send_counts, self.table_slot(rank), cap=cap,
+                            axis_overflow=axis_overflow)
+
+  def combine(self, rows, out1, rank, *, num_tokens, topk):
+    return super().combine(rows, out1, self.table_slot(rank), num_tokens=num_tokens, topk=topk)
 
   def window_set(self, send, send_counts, cap):
     if self._table is None:

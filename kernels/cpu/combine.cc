@@ -40,15 +40,16 @@ std::vector<int64_t> combine_key(const CombineGeometry& g) { return {1, g.R, g.T
 
 }  // namespace
 
-std::string combine_cpu(int64_t rank, const CombineGeometry& g, const DispatchOptions& opt,
+std::string combine_cpu(int64_t slot, const CombineGeometry& g, const DispatchOptions& opt,
                         const ReturnRows& in, uint16_t* y) {
   const int64_t R = g.R, H = g.H;
-  const auto call = cpu_windows::begin_call<ReturnWindow>("combine", rank, g, combine_key(g), opt);
+  const auto call = cpu_windows::begin_call<ReturnWindow>("combine", slot, g, combine_key(g), opt);
   if (call.absent) {
     std::fill_n(y, g.T * H, uint16_t(0));
     return "";
   }
   if (!call.windows) return call.error;
+  const int64_t rank = call.rank;  // within the group; W holds the group's windows
   auto& W = *call.windows;
   const uint64_t epoch = call.epoch;
   const int parity = call.parity();
@@ -74,7 +75,7 @@ std::string combine_cpu(int64_t rank, const CombineGeometry& g, const DispatchOp
     if (!wait_until([&] { return me.done_flag[d].load(std::memory_order_acquire) >= epoch; },
                     call.deadline))
       return cpu_windows::timeout_message("combine", rank, d, "its returned rows", epoch,
-                                          opt.timeout_s);
+                                          opt.timeout_s, call.group, call.num_groups);
   // 3. the weighted sum of this epoch's rows
   combine_tokens(g.T, g.K, H, [&](int64_t t, int64_t k, const uint16_t** row, float* w) {
     const size_t at = size_t(t * g.K + k);

@@ -24,9 +24,10 @@
 
 namespace jsm {
 
-// Engine cpu: the protocol above for `rank` through the window table opt.window_set. y: [T, H]
-// bf16. Returns "" on success, else an error message (a wait ran out).
-std::string combine_cpu(int64_t rank, const CombineGeometry& g, const DispatchOptions& opt,
+// Engine cpu: the protocol above for the rank in table slot `slot` (group * R + rank, with the
+// group's peers; src_rank names ranks within the group) through the window table
+// opt.window_set. y: [T, H] bf16. Returns "" on success, else an error message (a wait ran out).
+std::string combine_cpu(int64_t slot, const CombineGeometry& g, const DispatchOptions& opt,
                         const ReturnRows& in, uint16_t* y);
 
 }  // namespace jsm

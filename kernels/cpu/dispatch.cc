@@ -45,9 +45,11 @@ std::vector<int64_t> dispatch_key(const DispatchGeometry& g) {
   return {0, g.R, g.EL, g.H, g.m_cap, g.send_rows};
 }
 
-std::string timeout_message(int64_t rank, int64_t peer, const std::string& what, uint64_t epoch,
+template <class Call>
+std::string timeout_message(const Call& c, int64_t peer, const std::string& what,
                             double timeout_s) {
-  return cpu_windows::timeout_message("dispatch", rank, peer, what, epoch, timeout_s);
+  return cpu_windows::timeout_message("dispatch", c.rank, peer, what, c.epoch, timeout_s, c.group,
+                                      c.num_groups);
 }
 
 void copy_rows(const Slot& from, int64_t src, const LandedView& to, int64_t dst, int64_t n,
@@ -90,15 +92,16 @@ void finish_landed(const DispatchGeometry& g, int64_t rows, int64_t dropped,
 
 }  // namespace
 
-std::string dispatch_cpu(int64_t rank, const DispatchGeometry& g, const DispatchOptions& opt,
+std::string dispatch_cpu(int64_t slot, const DispatchGeometry& g, const DispatchOptions& opt,
                          const SendView& send, const LandedView& out) {
   const int64_t R = g.R, EL = g.EL, HS = g.H / kBlock;
-  const auto call = cpu_windows::begin_call<RankWindow>("dispatch", rank, g, dispatch_key(g), opt);
+  const auto call = cpu_windows::begin_call<RankWindow>("dispatch", slot, g, dispatch_key(g), opt);
   if (call.absent) {
     zero_outputs(g, out);
     return "";
   }
   if (!call.windows) return call.error;
+  const int64_t rank = call.rank;  // within the group; W holds the group's windows
   auto& W = *call.windows;
   const uint64_t epoch = call.epoch;
   const int parity = call.parity();
@@ -114,7 +117,7 @@ std::string dispatch_cpu(int64_t rank, const DispatchGeometry& g, const Dispatch
   for (int64_t s = 0; s < R; ++s)
     if (!wait_until([&] { return me.plan_flag[s].load(std::memory_order_acquire) >= epoch; },
                     call.deadline))
-      return timeout_message(rank, s, "its plan (send counts)", epoch, opt.timeout_s);
+      return timeout_message(call, s, "its plan (send counts)", opt.timeout_s);
   const int32_t* plan = me.plan.data();  // plan[(s * R + d) * EL + e]
 
   // 3. put each segment at its §4 offset, destinations starting after this rank
@@ -140,7 +143,7 @@ std::string dispatch_cpu(int64_t rank, const DispatchGeometry& g, const Dispatch
       if (!wait_until(
               [&] { return me.seg_flag[s * EL + e].load(std::memory_order_acquire) >= epoch; },
               call.deadline))
-        return timeout_message(rank, s, "its rows of local expert " + std::to_string(e), epoch,
+        return timeout_message(call, s, "its rows of local expert " + std::to_string(e),
                                opt.timeout_s);
   std::vector<int32_t> total(static_cast<size_t>(EL));
   for (int64_t e = 0; e < EL; ++e) {

@@ -22,10 +22,11 @@
 
 namespace jsm {
 
-// Engine cpu: runs the protocol above for `rank` through the window table opt.window_set
-// (kernels/cpu/window_table.h: one per Runtime, holding the windows of every geometry).
-// Returns "" on success, else an error message.
-std::string dispatch_cpu(int64_t rank, const DispatchGeometry& g, const DispatchOptions& opt,
+// Engine cpu: runs the protocol above for the rank in table slot `slot` (group * R + rank, with
+// the group's peers) through the window table opt.window_set (kernels/cpu/window_table.h: one
+// per Runtime, holding the windows of every geometry and group). Returns "" on success, else an
+// error message.
+std::string dispatch_cpu(int64_t slot, const DispatchGeometry& g, const DispatchOptions& opt,
                          const SendView& send, const LandedView& out);
 
 // Engine local (R = 1, no windows): the landed rows straight from the send buffer; the same

@@ -7,9 +7,10 @@ namespace jsm {
 
 namespace {
 
-// One Runtime's windows: per (kind, geometry) key, one window per rank.
+// One Runtime's windows: per (kind, geometry, group) key, one window per rank of the group.
 struct WindowTable {
   int64_t R;
+  int64_t G;  // groups (window_table.h)
   std::mutex mu;
   std::map<std::vector<int64_t>, std::shared_ptr<void>> windows;
 };
@@ -20,9 +21,10 @@ int64_t g_next_id = 1;
 
 }  // namespace
 
-int64_t cpu_windows_create(int64_t num_ranks) {
+int64_t cpu_windows_create(int64_t num_ranks, int64_t num_groups) {
   auto table = std::make_shared<WindowTable>();
   table->R = num_ranks;
+  table->G = num_groups;
   std::lock_guard<std::mutex> lock(g_tables_mu);
   int64_t id = g_next_id++;
   g_tables[id] = table;
@@ -67,10 +69,17 @@ int64_t num_ranks(int64_t table_id) {
   return it == g_tables.end() ? 0 : it->second->R;
 }
 
+int64_t num_groups(int64_t table_id) {
+  std::lock_guard<std::mutex> lock(g_tables_mu);
+  auto it = g_tables.find(table_id);
+  return it == g_tables.end() ? 0 : it->second->G;
+}
+
 std::string timeout_message(const char* call, int64_t rank, int64_t peer, const std::string& what,
-                            uint64_t epoch, double timeout_s) {
+                            uint64_t epoch, double timeout_s, int64_t group, int64_t num_groups) {
+  const std::string of_group = num_groups > 1 ? " of group " + std::to_string(group) : "";
   return std::string("jax_sdma_moe ") + call + " (cpu engine): rank " + std::to_string(rank) +
-         " timed out after " + std::to_string(timeout_s) + " s waiting for " + what +
+         of_group + " timed out after " + std::to_string(timeout_s) + " s waiting for " + what +
          " from peer rank " + std::to_string(peer) + " (epoch " + std::to_string(epoch) +
          "); the peer did not arrive. The Runtime's windows are now out of step: create a new "
          "Runtime.";

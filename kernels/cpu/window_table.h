@@ -3,6 +3,12 @@
 // the windows of every geometry the Runtime's calls use — the dispatch's (kernels/cpu/dispatch.cc)
 // and the combine's (kernels/cpu/combine.cc) — one window per rank each, and what their protocols
 // share: bounded waits and the timeout message.
+//
+// Groups: on a mesh with other axes, every combination of their coordinates is an independent EP
+// group of R ranks (DESIGN.md §2). A table has G * R rank slots; a call's rank operand is its slot
+// g * R + r, its peers are the slots of group g, and each group has its own windows (the group is
+// part of the key), made by the first call of that group: in a process of a multi-process mesh
+// only the groups it holds. Headers and messages keep the rank r within the group.
 #pragma once
 
 #include <chrono>
@@ -17,7 +23,7 @@
 
 namespace jsm {
 
-int64_t cpu_windows_create(int64_t num_ranks);
+int64_t cpu_windows_create(int64_t num_ranks, int64_t num_groups = 1);
 void cpu_windows_destroy(int64_t table_id);
 
 namespace cpu_windows {
@@ -36,8 +42,12 @@ std::shared_ptr<void> find_or_make(int64_t table_id, int64_t num_ranks,
                                    const std::function<std::shared_ptr<void>()>& make,
                                    std::string* err);
 
-// The number of ranks of table `table_id`; 0 if there is no such table (unknown or closed).
+// The number of ranks (of one group) of table `table_id`; 0 if there is no such table (unknown or
+// closed).
 int64_t num_ranks(int64_t table_id);
+
+// The number of groups of table `table_id`; 0 if there is no such table.
+int64_t num_groups(int64_t table_id);
 
 // The R windows of type Window (constructible from the geometry g, which has a member R) that
 // table `table_id` holds under `key`.
@@ -63,7 +73,10 @@ inline Clock::time_point deadline_after(double seconds) {
 // One rank's part in one call of a protocol (the dispatch, the combine).
 template <class Window>
 struct ProtocolCall {
-  std::shared_ptr<RankWindows<Window>> windows;  // every rank's; null if absent or on error
+  std::shared_ptr<RankWindows<Window>> windows;  // every rank's of the group; null if absent or on error
+  int64_t rank = 0;                              // within the group: the slot is group * R + rank
+  int64_t group = 0;
+  int64_t num_groups = 1;
   uint64_t epoch = 0;                            // this call's; its parity slot is epoch & 1
   Clock::time_point deadline;                    // of every wait of the call
   bool absent = false;  // fault injection: this rank takes no part (its peers time out)
@@ -71,31 +84,44 @@ struct ProtocolCall {
   int parity() const { return int(epoch & 1); }
 };
 
-// The start every protocol call shares: the rank checked, the options' fault injection (an absent
-// rank; a late one sleeps first), the deadline, the windows of `key`, and the rank's next epoch
-// (Window has a member `epoch`, touched only by the rank's own calls, which run in program
-// order). call: the custom call's name, for the error.
+// The start every protocol call shares: the slot checked and split into (group, rank), the
+// options' fault injection (an absent rank of every group; a late one sleeps first), the
+// deadline, the group's windows of `key`, and the rank's next epoch (Window has a member `epoch`,
+// touched only by the rank's own calls, which run in program order). slot: the rank operand,
+// group * R + rank. call: the custom call's name, for the error.
 template <class Window, class Geometry>
-ProtocolCall<Window> begin_call(const char* call, int64_t rank, const Geometry& g,
+ProtocolCall<Window> begin_call(const char* call, int64_t slot, const Geometry& g,
                                 const std::vector<int64_t>& key, const DispatchOptions& opt) {
   ProtocolCall<Window> c;
-  if (rank < 0 || rank >= g.R) {
-    c.error = "rank " + std::to_string(rank) + " out of range";
+  const std::string where = std::string("jax_sdma_moe ") + call + " (cpu engine): ";
+  c.num_groups = num_groups(opt.window_set);
+  if (c.num_groups == 0) {
+    c.error = where + "unknown or closed Runtime (window table " +
+              std::to_string(opt.window_set) + ")";
     return c;
   }
-  if (rank == opt.fault_absent_rank) {
+  if (g.R < 1 || slot < 0 || slot >= c.num_groups * g.R) {
+    c.error = where + "rank slot " + std::to_string(slot) + " out of range (" +
+              std::to_string(c.num_groups) + " groups of " + std::to_string(g.R) + " ranks)";
+    return c;
+  }
+  c.group = slot / g.R;
+  c.rank = slot % g.R;
+  if (c.rank == opt.fault_absent_rank) {
     c.absent = true;
     return c;
   }
-  if (rank == opt.fault_delay_rank)  // at most timeout_s (bounded_delay_ms)
+  if (c.rank == opt.fault_delay_rank)  // at most timeout_s (bounded_delay_ms)
     std::this_thread::sleep_for(std::chrono::milliseconds(bounded_delay_ms(opt)));
   c.deadline = deadline_after(opt.timeout_s);
-  c.windows = windows_of<Window>(opt.window_set, g, key, &c.error);
+  std::vector<int64_t> group_key = key;
+  group_key.push_back(c.group);  // each group its own windows
+  c.windows = windows_of<Window>(opt.window_set, g, group_key, &c.error);
   if (!c.windows) {
-    c.error = std::string("jax_sdma_moe ") + call + " (cpu engine): " + c.error;
+    c.error = where + c.error;
     return c;
   }
-  c.epoch = ++(*c.windows)[size_t(rank)]->epoch;
+  c.epoch = ++(*c.windows)[size_t(c.rank)]->epoch;
   return c;
 }
 
@@ -112,9 +138,11 @@ bool wait_until(Pred ready, Clock::time_point deadline) {
   }
 }
 
-// The error of a wait that ran out: names the call, rank, peer, what was awaited and the epoch.
+// The error of a wait that ran out: names the call, rank, peer, what was awaited and the epoch
+// (and the group, where the table has several).
 std::string timeout_message(const char* call, int64_t rank, int64_t peer, const std::string& what,
-                            uint64_t epoch, double timeout_s);
+                            uint64_t epoch, double timeout_s, int64_t group = 0,
+                            int64_t num_groups = 1);
 
 }  // namespace cpu_windows
 }  // namespace jsm
