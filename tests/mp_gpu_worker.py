@@ -1,20 +1,44 @@
-"""One process of a two-process GPU run (the `mpirun -n R` launch mode), started by
-test_multigpu.py, JAX using one GPU each: python mp_gpu_worker.py PROCESS_ID NUM_PROCESSES PORT
-SEED [GPU] (GPU: the CUDA device of this process, PROCESS_ID by default; test_cuda.py puts both
-ranks on GPU 0, which checks the protocol's bytes on a one-GPU machine: CUDA IPC opens a window of
-the same device from another process, and the two processes' kernels take turns on it; there only
-the small shapes run, beside the test process's memory pool). Each process holds one rank;
-engines ce and sm must land the same bytes on it, equal to the reference layout with h of sampled
-experts within §3, and 20 back-to-back calls per engine stay correct; jsm.moe with engines sm and
-ce (their combines through the IPC-opened windows) matches the reference on this rank's tokens in
-back-to-back calls, byte for byte between the engines; engine xla is refused with a clear error.
-Prints 'OK rank N' on success."""
+"""One process of a multi-process GPU run (the `mpirun -n R` launch mode), started by
+test_multigpu.py and test_cuda.py, JAX using one GPU each:
+
+  python mp_gpu_worker.py PROCESS_ID NUM_PROCESSES PORT SEED [GPU] [KEY=VALUE ...]
+
+GPU: the CUDA device of this process (PROCESS_ID by default). test_cuda.py puts every rank on
+GPU 0 (R = 2, 4, 8 processes), which checks the protocol's bytes on a one-GPU machine: CUDA IPC
+opens a window of the same device from another process, and the processes' kernels take turns on
+it; there only the small shapes run (E = 64, and E = 32 for the layer, so that R = 8 has at least
+K local experts), beside the test process's memory pool. One launch runs both engines (ce, sm) and
+every part:
+  stage1    engines ce and sm land the same bytes on this rank, equal to the reference layout,
+            with h of sampled experts within §3, calls back to back (uniform, skewed, masked);
+  overflow  a small M_cap that drops rows: `overflow` is this rank's dropped rows, or with
+            DispatchOptions.global_overflow the rows dropped over every rank (the same number on
+            each), the rest of the layout as without it;
+  stale     stage2 on an earlier Stage1Output (stage1(a), stage1(b), stage2(out of a)): engine ce
+            fails with a clear error on every rank (it returns rows by the plan of its latest
+            dispatch) and stays usable, also on an earlier output with the latest one's headers;
+            engine sm, whose combine reads the Stage1Output alone, returns what a fresh
+            stage1(a) + stage2 does;
+  moe       jsm.moe with engines sm and ce (their combines through the IPC-opened windows)
+            matches the reference on this rank's tokens in back-to-back calls, byte for byte
+            between the engines;
+and engine xla is refused with a clear error. Prints 'OK rank N' on success.
+KEY=VALUE (diagnostics, bench/device/ep_probe.sh): engines=ce,sm  parts=stage1,overflow,stale,moe
+(`+` separates as `,` does; part `dispatch`: the engines' dispatch alone, no GEMM)  iters=N
+(stage1's and moe's calls)
+timeout=S (Stage1Config.timeout_s)  repeat=N (each part N times, fresh Runtimes: epoch 1 again).
+"""
+import dataclasses
 import os
 import sys
+import time
 
 pid, nproc, port, seed = (int(a) for a in sys.argv[1:5])
-shared_gpu = len(sys.argv) > 5  # GPU given: every rank on that one GPU, the small shapes only
-gpu = int(sys.argv[5]) if shared_gpu else pid
+_rest = sys.argv[5:]
+_gpu = [a for a in _rest if "=" not in a]
+OPTS = dict(a.split("=", 1) for a in _rest if "=" in a)
+shared_gpu = bool(_gpu)  # GPU given: every rank on that one GPU, the small shapes only
+gpu = int(_gpu[0]) if shared_gpu else pid
 
 import jax  # noqa: E402
 
@@ -31,12 +55,22 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import _util  # noqa: E402
 import jax_sdma_moe as jsm  # noqa: E402
-from jax_sdma_moe import reference  # noqa: E402
+from jax_sdma_moe import api, primitives, reference  # noqa: E402
 
 R = nproc
+ENGINES = tuple(OPTS.get("engines", "ce,sm").replace("+", ",").split(","))
+PARTS = tuple(OPTS.get("parts", "stage1,overflow,stale,moe").replace("+", ",").split(","))
+ITERS = int(OPTS["iters"]) if "iters" in OPTS else None
+TIMEOUT_S = float(OPTS.get("timeout", 60.0))
+REPEAT = int(OPTS.get("repeat", 1))
 mesh = jax.sharding.Mesh(np.array(jax.devices()), ("ep",))
 spec = NamedSharding(mesh, P("ep"))
 local = jax.local_devices()[0]
+T0 = time.time()
+
+
+def log(what):
+  print(f"[rank {pid} +{time.time() - T0:.1f}s] {what}", flush=True)
 
 
 def global_array(host):
@@ -50,84 +84,261 @@ def mine(tree):
   return jax.tree.map(lambda a: np.asarray(a.addressable_shards[0].data)[0], tree)
 
 
-def run(shape_name, T, r, iters=1):
-  s = jsm.SHAPES[shape_name]
-  E, K, EL = s.num_experts, s.topk, s.num_experts // R
+def runtime(engine, **cfg):
+  return jsm.Runtime(mesh, "ep", jsm.Stage1Config(engine=engine, timeout_s=TIMEOUT_S, **cfg))
+
+
+def stacked(fn):
+  """jit(shard_map(fn)) whose outputs gain a leading rank axis (out_specs P("ep"))."""
+  return jax.jit(jax.shard_map(lambda *a: jax.tree.map(lambda o: o[None], fn(*a)), mesh=mesh,
+                               in_specs=P("ep"), out_specs=P("ep")))
+
+
+def with_global_overflow(rt):
+  """The Runtime's engine sets DispatchOptions.global_overflow while rt.engine.test_global is
+  true at trace time (the options are static: each jitted function keeps the value it was traced
+  with)."""
+  eng = rt.engine
+  options = eng.protocol_options
+
+  def patched(*args, **kw):
+    return dataclasses.replace(options(*args, **kw),
+                               global_overflow=bool(getattr(eng, "test_global", False)))
+  eng.protocol_options = patched
+  return rt
+
+
+def stage1_fn(rt, global_overflow=False):
+  def body(x, i, w, q):
+    rt.engine.test_global = global_overflow
+    try:
+      return jsm.stage1(x, (i, w), q, runtime=rt)
+    finally:
+      rt.engine.test_global = False
+  return stacked(body)
+
+
+def small_shape():
+  """The small Stage1 shape; on a shared GPU with E = 64, so that R = 8 keeps K <= E/R (skewed
+  routing) and a few rows per expert."""
+  s = jsm.SHAPES["small"]
+  return dataclasses.replace(s, num_experts=64) if shared_gpu else s
+
+
+def make_w1q(s):
   # each process makes only its own experts' weights, on its GPU (dsv3's whole w1 is 7.5 GB)
+  EL = s.num_experts // R
   with jax.default_device(local):
     w1 = jax.random.normal(jax.random.fold_in(jax.random.key(seed), pid),
                            (EL, 2 * s.intermediate, s.hidden), jnp.bfloat16
                            ) * jnp.bfloat16(1.0 / np.sqrt(s.hidden))
     w1q = jax.block_until_ready(jax.jit(jsm.quantize_w1)(w1))  # experts pid * EL ... + EL - 1
-    del w1
   w1s = jax.tree.map(lambda a: jax.make_array_from_single_device_arrays(
       (R * a.shape[0], *a.shape[1:]), spec, [a]), w1q)
-  runtimes = {e: jsm.Runtime(mesh, "ep", jsm.Stage1Config(engine=e, swiglu_limit=s.swiglu_limit))
-              for e in ("ce", "sm")}
-  fns = {e: jax.jit(jax.shard_map(
-      lambda x, i, w, q, rt=rt: jax.tree.map(lambda a: a[None], jsm.stage1(x, (i, w), q, runtime=rt)),
-      mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))) for e, rt in runtimes.items()}
+  return w1q, w1s
+
+
+def stage1_inputs(s, T, routing, r):
+  x = np.asarray(jnp.asarray(r.standard_normal((R * T, s.hidden)), jnp.bfloat16))
+  ids = np.asarray(_util.make_ids(r, R, T, s.topk, s.num_experts, routing))
+  w = r.random((R * T, s.topk)).astype(np.float32)
+  return x, ids, w
+
+
+def reference_landed(s, T, x, ids, w, cap):
+  with jax.default_device(local):
+    return jax.jit(reference.dispatch, static_argnums=(3, 4, 5))(
+        jax.tree.map(lambda a: a.reshape(R, T, *a.shape[1:]), jsm.quantize(jnp.asarray(x))),
+        jnp.asarray(ids).reshape(R, T, s.topk), jnp.asarray(w).reshape(R, T, s.topk),
+        s.num_experts, 128, cap)
+
+
+def same_bytes(outs, what, skip=()):
+  """Every engine's output equal byte for byte to the first's (fields in `skip` aside)."""
+  first = ENGINES[0]
+  for e in ENGINES[1:]:
+    for name, a, b in zip(outs[first]._fields, outs[first], outs[e]):
+      if name not in skip:
+        np.testing.assert_array_equal(_util.as_bytes(a), _util.as_bytes(b),
+                                      err_msg=f"{what}: {name} {first} vs {e}")
+
+
+def run(s, T, r, iters=1):
+  """Part stage1: both engines' fused Stage1 against each other and the reference."""
+  EL = s.num_experts // R
+  w1q, w1s = make_w1q(s)
+  runtimes = {e: runtime(e, swiglu_limit=s.swiglu_limit) for e in ENGINES}
+  fns = {e: stage1_fn(rt) for e, rt in runtimes.items()}
   for it in range(iters):
     routing = ("uniform", "skewed", "masked")[it % 3]
-    x = np.asarray(jnp.asarray(r.standard_normal((R * T, s.hidden)), jnp.bfloat16))
-    ids = np.asarray(_util.make_ids(r, R, T, K, E, routing))
-    w = r.random((R * T, K)).astype(np.float32)
+    x, ids, w = stage1_inputs(s, T, routing, r)
     outs = {e: mine(f(global_array(x), global_array(ids), global_array(w), w1s))
             for e, f in fns.items()}
     for rt in runtimes.values():  # an expired wait names itself before the bytes are compared
       rt.check()
-    for name, a, b in zip(outs["ce"]._fields, outs["ce"], outs["sm"]):
-      np.testing.assert_array_equal(_util.as_bytes(a), _util.as_bytes(b),
-                                    err_msg=f"{shape_name} T={T} {routing}: {name} ce vs sm")
-    cap = jsm.layout.m_cap(R, T, K, EL, 128)
-    with jax.default_device(local):
-      landed = jax.jit(reference.dispatch, static_argnums=(3, 4, 5))(
-          jax.tree.map(lambda a: a.reshape(R, T, *a.shape[1:]), jsm.quantize(jnp.asarray(x))),
-          jnp.asarray(ids).reshape(R, T, K), jnp.asarray(w).reshape(R, T, K), E, 128, cap)
-      out = outs["ce"]
+    same_bytes(outs, f"{s.name} T={T} {routing}")
+    cap = jsm.layout.m_cap(R, T, s.topk, EL, 128)
+    landed = reference_landed(s, T, x, ids, w, cap)
+    out = outs[ENGINES[0]]
+    for name in _util.LANDED_FIELDS:
+      np.testing.assert_array_equal(getattr(out, name), np.asarray(getattr(landed, name))[pid],
+                                    err_msg=name)
+    offs, cnts = out.expert_offsets, out.expert_counts
+    got = np.asarray(out.h, np.float32)
+    nonempty = np.flatnonzero(cnts)  # none on a rank that skewed routing sends nothing
+    picked = {int(e) for e in pick.choice(nonempty, min(3, len(nonempty)))}
+    # this rank's rows as a one-rank stack, against its own experts' weights (w1q: [EL, ...])
+    refs = reference.sampled_h32(landed.values[pid:pid + 1], landed.scales[pid:pid + 1], offs,
+                                 cnts, picked, w1q, 0, s.swiglu_limit)
+    for e, ref in refs.items():
+      _util.check_block(_util.Asserts(), got[offs[e]:offs[e] + cnts[e]], ref, "bf16",
+                        f"{s.name} T={T} expert {e}")
+  close(runtimes)
+
+
+def run_overflow(s, T, r):
+  """Part overflow: M_cap small enough that rows are dropped (on some ranks more than others):
+  `overflow` is this rank's dropped rows, with global_overflow the axis's total on every rank;
+  every other field is the same either way and equals the reference."""
+  cap = 256
+  w1q, w1s = make_w1q(s)
+  runtimes = {e: with_global_overflow(runtime(e, swiglu_limit=s.swiglu_limit,
+                                              max_recv_rows=cap)) for e in ENGINES}
+  fns = {(e, g): stage1_fn(rt, g) for e, rt in runtimes.items() for g in (False, True)}
+  for routing in ("skewed", "uniform"):
+    x, ids, w = stage1_inputs(s, T, routing, r)
+    args = [global_array(a) for a in (x, ids, w)]
+    outs = {k: mine(f(*args, w1s)) for k, f in fns.items()}
+    for rt in runtimes.values():
+      rt.check()
+    landed = reference_landed(s, T, x, ids, w, cap)
+    dropped = np.asarray(landed.overflow)
+    assert dropped.sum() > 0, f"overflow {routing}: the test's M_cap drops no row"
+    for g in (False, True):
+      same_bytes({e: outs[e, g] for e in ENGINES}, f"overflow {routing} global={g}")
+      out = outs[ENGINES[0], g]
       for name in _util.LANDED_FIELDS:
-        np.testing.assert_array_equal(getattr(out, name), np.asarray(getattr(landed, name))[pid],
-                                      err_msg=name)
-      offs, cnts = out.expert_offsets, out.expert_counts
-      got = np.asarray(out.h, np.float32)
-      nonempty = np.flatnonzero(cnts)  # none on a rank that skewed routing sends nothing
-      picked = {int(e) for e in pick.choice(nonempty, min(3, len(nonempty)))}
-      # this rank's rows as a one-rank stack, against its own experts' weights (w1q: [EL, ...])
-      refs = reference.sampled_h32(landed.values[pid:pid + 1], landed.scales[pid:pid + 1], offs,
-                                   cnts, picked, w1q, 0, s.swiglu_limit)
-      for e, ref in refs.items():
-        _util.check_block(_util.Asserts(), got[offs[e]:offs[e] + cnts[e]], ref, "bf16",
-                          f"{shape_name} T={T} expert {e}")
-  for rt in runtimes.values():
-    rt.check()
-    rt.close()
+        want = np.asarray(getattr(landed, name))[pid]
+        if name == "overflow" and g:
+          want = dropped.sum()
+        np.testing.assert_array_equal(getattr(out, name), want,
+                                      err_msg=f"overflow {routing} global={g}: {name}")
+  close(runtimes)
+
+
+def mid_layer():
+  """The mid-size layer (H, I, E, K); on a shared GPU with E = 32 (R = 8: 4 local experts)."""
+  H, I, E, K = _util.MID_LAYER
+  return (H, I, 32, K) if shared_gpu else (H, I, E, K)
+
+
+def layer_problem(r, T, routing):
+  H, I, E, K = mid_layer()
+  with jax.default_device(local):  # the same problem in every process (one seed)
+    x, ids, w, w1q = _util.make_problem(r, R, T, H, I, E, K, routing)
+    w2q = _util.make_w2q(r, E, H, I)
+  args = [global_array(np.asarray(a)) for a in (x, ids, w)]
+  weights = [jax.tree.map(lambda a: global_array(np.asarray(a)), q) for q in (w1q, w2q)]
+  return (x, ids, w, w1q, w2q), args, weights
 
 
 def run_moe(T, r, iters=4):
-  """jsm.moe with engines sm and ce on the mid-size layer: y of this rank's tokens against
-  reference.moe (computed here from the same seeded problem in every process), the engines' y
-  byte for byte, calls back to back."""
-  H, I, E, K = _util.MID_LAYER
-  runtimes = {e: jsm.Runtime(mesh, "ep", jsm.Stage1Config(engine=e)) for e in ("sm", "ce")}
+  """Part moe: jsm.moe with engines sm and ce on the mid-size layer: y of this rank's tokens
+  against reference.moe (computed here from the same seeded problem in every process), the
+  engines' y byte for byte, calls back to back."""
+  E = mid_layer()[2]
+  runtimes = {e: runtime(e) for e in ENGINES}
   fns = {e: jax.jit(jax.shard_map(
       lambda x, i, w, q1, q2, rt=rt: jsm.moe(x, (i, w), q1, q2, runtime=rt),
       mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))) for e, rt in runtimes.items()}
   for it in range(iters):
     routing = ("masked", "uniform")[it % 2]
-    with jax.default_device(local):  # the same problem in every process (one seed)
-      x, ids, w, w1q = _util.make_problem(r, R, T, H, I, E, K, routing)
-      w2q = _util.make_w2q(r, E, H, I)
-      ref = _util.reference_y(x, ids, w, w1q, w2q, R, runtimes["sm"].config, T)
-    args = [global_array(np.asarray(a)) for a in (x, ids, w)]
-    weights = [jax.tree.map(lambda a: global_array(np.asarray(a)), q) for q in (w1q, w2q)]
+    (x, ids, w, w1q, w2q), args, weights = layer_problem(r, T, routing)
     ys = {e: np.asarray(f(*args, *weights).addressable_shards[0].data)  # [T, H] of this rank
           for e, f in fns.items()}
     for rt in runtimes.values():
       rt.check()
-    np.testing.assert_array_equal(_util.as_bytes(ys["ce"]), _util.as_bytes(ys["sm"]),
-                                  err_msg=f"moe T={T} {routing}: y of ce vs sm")
-    _util.check_y(_util.Asserts(), ys["sm"], ref[pid:pid + 1],
+    same_bytes(ys, f"moe T={T} {routing}: y")
+    with jax.default_device(local):
+      ref = _util.reference_y(x, ids, w, w1q, w2q, R, runtimes[ENGINES[0]].config, T)
+    _util.check_y(_util.Asserts(), ys[ENGINES[0]], ref[pid:pid + 1],
                   np.asarray(ids)[pid * T:(pid + 1) * T], E)
+  close(runtimes)
+
+
+def run_stale(T, r):
+  """Part stale: stage2 on a Stage1Output other than the latest stage1's, on every rank."""
+  E = mid_layer()[2]
+  runtimes = {e: runtime(e) for e in ENGINES}
+  s1 = {e: stacked(lambda x, i, w, q, rt=rt: jsm.stage1(x, (i, w), q, runtime=rt))
+        for e, rt in runtimes.items()}
+  s2 = {e: jax.jit(jax.shard_map(
+      lambda o, q, rt=rt: jsm.stage2(jax.tree.map(lambda a: a[0], o), q, runtime=rt),
+      mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))) for e, rt in runtimes.items()}
+  (x, ids, w, w1q, w2q), a_args, (w1s, w2s) = layer_problem(r, T, "uniform")
+  _, b_args, _ = layer_problem(r, T, "masked")  # other rows, other routes (b's weights unused)
+  ys = {}
+  for e in ENGINES:
+    y_of = lambda o: np.asarray(s2[e](o, w2s).addressable_shards[0].data)  # noqa: E731
+    out_a = s1[e](*a_args, w1s)
+    jax.block_until_ready(s1[e](*b_args, w1s))
+    if e == "ce":
+      try:
+        y_of(out_a)
+        raise AssertionError("engine ce: stage2 on an earlier Stage1Output was not refused")
+      except AssertionError:
+        raise
+      except Exception as err:  # noqa: BLE001 (XLA's runtime error)
+        assert "other than the latest stage1" in str(err), err
+      runtimes[e].check()  # nothing moved: the windows are in step
+      out_a = s1[e](*a_args, w1s)
+      again = s1[e](*a_args, w1s)  # the same rows again: an earlier output with the same headers
+      ys[e] = y_of(out_a)
+      np.testing.assert_array_equal(_util.as_bytes(y_of(again)), _util.as_bytes(ys[e]),
+                                    err_msg="ce: stage2 of two stage1 outputs of the same rows")
+    else:
+      y_stale = y_of(out_a)
+      ys[e] = y_of(s1[e](*a_args, w1s))
+      np.testing.assert_array_equal(_util.as_bytes(y_stale), _util.as_bytes(ys[e]),
+                                    err_msg=f"{e}: stage2 on an earlier Stage1Output")
+    runtimes[e].check()
+  same_bytes(ys, f"stale T={T}: y")
+  with jax.default_device(local):
+    ref = _util.reference_y(x, ids, w, w1q, w2q, R, runtimes[ENGINES[0]].config, T)
+  _util.check_y(_util.Asserts(), ys[ENGINES[0]], ref[pid:pid + 1],
+                np.asarray(ids)[pid * T:(pid + 1) * T], E)
+  close(runtimes)
+
+
+def run_dispatch(s, T, r, iters=1):
+  """Part dispatch (diagnostics): the engines' dispatch alone (no fused GEMM) against the
+  reference layout."""
+  EL = s.num_experts // R
+  cap = jsm.layout.m_cap(R, T, s.topk, EL, 128)
+  runtimes = {e: runtime(e) for e in ENGINES}
+
+  def body(x, i, w, rt):
+    route = primitives.route(i, R, EL)
+    send = primitives.qpack(x, w, route.send_pos)
+    return api.dispatch(send, route.send_counts, runtime=rt, cap=cap)
+  fns = {e: stacked(lambda x, i, w, rt=rt: body(x, i, w, rt)) for e, rt in runtimes.items()}
+  for it in range(iters):
+    routing = ("uniform", "skewed", "masked")[it % 3]
+    x, ids, w = stage1_inputs(s, T, routing, r)
+    outs = {e: mine(f(global_array(x), global_array(ids), global_array(w)))
+            for e, f in fns.items()}
+    for rt in runtimes.values():
+      rt.check()
+    same_bytes(outs, f"dispatch T={T} {routing}")
+    landed = reference_landed(s, T, x, ids, w, cap)
+    for name in _util.LANDED_FIELDS + ("values", "scales"):
+      np.testing.assert_array_equal(_util.as_bytes(getattr(outs[ENGINES[0]], name)),
+                                    _util.as_bytes(np.asarray(getattr(landed, name))[pid]),
+                                    err_msg=name)
+  close(runtimes)
+
+
+def close(runtimes):
   for rt in runtimes.values():
     rt.check()
     rt.close()
@@ -141,10 +352,24 @@ except ValueError as e:
 
 r = np.random.default_rng(seed)  # the same problems in every process
 pick = np.random.default_rng(seed + 1 + pid)  # this rank's sampled experts
-run("small", 128, r, iters=20)
-run("small", 1, r)
-if not shared_gpu:  # dsv3's windows and weights do not fit beside the test process's 75% pool
-  run("dsv3", 128, r)
-  run("dsv3", 4096, r)
-run_moe(64, r)
+for _ in range(REPEAT):
+  for part in PARTS:
+    log(f"{part}: start")
+    if part == "stage1":
+      run(small_shape(), 128, r, iters=ITERS or (3 if shared_gpu else 20))
+      if not shared_gpu:  # dsv3's windows and weights do not fit beside the test's 75% pool
+        run(small_shape(), 1, r)
+        run(jsm.SHAPES["dsv3"], 128, r)
+        run(jsm.SHAPES["dsv3"], 4096, r)
+    elif part == "overflow":
+      run_overflow(small_shape(), 32, r)
+    elif part == "stale":
+      run_stale(64, r)
+    elif part == "moe":
+      run_moe(64, r, iters=ITERS or (2 if shared_gpu else 4))
+    elif part == "dispatch":
+      run_dispatch(small_shape(), 128, r, iters=ITERS or 3)
+    else:
+      raise ValueError(f"unknown part {part!r}")
+    log(f"{part}: done")
 print(f"OK rank {pid}", flush=True)

@@ -430,16 +430,18 @@ class CudaMoeTest(parameterized.TestCase):
 
 
 @absltest.skipIf(GPU is None, WHY or "")
-class CudaTwoRanksOneGpuTest(absltest.TestCase):
+class CudaRanksShareOneGpuTest(parameterized.TestCase):
 
-  def test_two_processes_share_the_gpu(self):
-    """The mpirun launch mode's protocol (engines ce and sm, stage1 and the layer: the checks of
-    tests/mp_gpu_worker.py on its small shapes; dsv3's sizes run in test_multigpu.py, as they do
-    not fit beside the 75% of the GPU this process holds) with both ranks' processes on this one
-    GPU: windows opened by CUDA IPC from the other process, copies and stores that cross
-    processes, bounded waits that outlast the two contexts taking turns on the GPU. Bytes only:
-    the timing of shared-GPU ranks says nothing of two GPUs."""
-    _util.run_mp_gpu_workers(self, 2, timeout=500, gpu=0)
+  @parameterized.parameters(2, 4, 8)
+  def test_processes_share_the_gpu(self, R):
+    """The mpirun launch mode's protocol with R processes on this one GPU, one launch each running
+    both engines (ce, sm) and every part of tests/mp_gpu_worker.py on its small shapes (E = 64,
+    the layer with E = 32; dsv3's sizes run in test_multigpu.py, as they do not fit beside the
+    75% of the GPU this process holds): Stage1, the axis-wide overflow count, stage2 on an earlier
+    Stage1Output, the whole layer. Windows opened by CUDA IPC from the other processes, copies and
+    stores that cross processes, bounded waits that outlast the R contexts taking turns on the GPU.
+    Bytes only: the timing of shared-GPU ranks says nothing of R GPUs."""
+    _util.run_mp_gpu_workers(self, R, timeout=150 + 60 * R, gpu=0)
 
 
 if __name__ == "__main__":

@@ -89,7 +89,10 @@ __global__ void __launch_bounds__(512)
 }
 
 // Engine ce: row_of[t * K + k] = the send position i of (t, k) where i was returned this epoch
-// (row_of is -1 before). The send headers are this rank's own, from its latest dispatch.
+// (row_of is -1 before). The send headers are this rank's own, from its latest dispatch; one
+// outside this combine's [T, K) (a Stage1Output of other shapes than that dispatch's) is skipped
+// and recorded in the rank's error word (kErrReturnHeader), which the rank's next call and
+// Runtime.check() report: no trap, which would take the whole process (and its peers' waits).
 __global__ void __launch_bounds__(gpu::kReturnThreads)
     ep_return_index_kernel(const ReturnArgs a, int64_t send_rows) {
   const uint32_t epoch = return_epoch(a);
@@ -101,8 +104,60 @@ __global__ void __launch_bounds__(gpu::kReturnThreads)
        i += int64_t(gridDim.x) * blockDim.x) {
     if (uint32_t(__ldcg(reinterpret_cast<const int2*>(meta + i)).x) != epoch) continue;
     const RowHeader h = hdr[i];
-    if (h.token < 0 || h.token >= a.in.T || h.slot < 0 || h.slot >= a.in.K) __trap();
+    if (h.token < 0 || h.token >= a.in.T || h.slot < 0 || h.slot >= a.in.K) {
+      record_wait_error(a.err, ep::kErrReturnHeader, uint32_t(i), uint32_t(h.token), epoch);
+      continue;
+    }
     a.row_of[int64_t(h.token) * a.in.K + h.slot] = int32_t(i);
+  }
+}
+
+// Engine ce, before its combine moves anything: does the Stage1Output's row headers (in.src_rank,
+// in.token, in.slot) equal what the rank's latest dispatch landed (`dispatch`: its epoch)? That
+// dispatch's parity slot of the landing window still holds its plan and landed headers (a peer
+// writes that slot again only in the dispatch after next, which needs this rank's next plan), so
+// its §4 layout (ReceivedSegments) gives the landed rows, whose headers are those of the slot, and
+// every other row of a Stage1Output has -1. Identical headers mean the identical plan on this rank,
+// so the combine, which returns rows by that plan, is right. One block; result[kCheckWords]: the
+// rows that differ, the first of them (-1: none), its (src_rank, token, slot) in the Stage1Output,
+// then in the dispatch.
+__global__ void __launch_bounds__(1024)
+    ep_return_check_kernel(const ReturnArgs a, int EL, int64_t row_align, uint32_t dispatch,
+                           int32_t* result) {
+  extern __shared__ int32_t smem[];  // ReceivedSegments: 3 * EL + 1
+  __shared__ int32_t bad, first;
+  uint8_t* own = a.peers.base[a.rank];
+  const int p = int(dispatch & 1);
+  const CombineView& in = a.in;
+  if (threadIdx.x == 0) bad = 0, first = INT32_MAX;
+  ReceivedSegments segs{at<const int32_t>(own, a.L.plan[p]), a.R, EL, a.rank};
+  segs.build(smem, row_align, in.m_cap);  // (its barriers publish bad and first)
+  const RowHeader* hdr = at<const RowHeader>(own, a.L.headers[p]);
+  auto landed = [&](int64_t r) {
+    if (expert_of_row(segs.offsets, segs.counts, EL, r) < 0) return make_int4(-1, -1, -1, 0);
+    return __ldcg(reinterpret_cast<const int4*>(hdr + r));
+  };
+  int32_t mine = 0, mine_first = INT32_MAX;
+  for (int64_t r = threadIdx.x; r < in.m_cap; r += blockDim.x) {
+    const int4 h = landed(r);
+    if (in.src_rank[r] != h.x || in.token[r] != h.y || in.slot[r] != h.z) {
+      ++mine;
+      if (mine_first == INT32_MAX) mine_first = int32_t(r);
+    }
+  }
+  if (mine) {
+    atomicAdd(&bad, mine);
+    atomicMin(&first, mine_first);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    result[0] = bad;
+    result[1] = bad ? first : -1;
+    if (bad) {
+      const int4 h = landed(first);
+      result[2] = in.src_rank[first], result[3] = in.token[first], result[4] = in.slot[first];
+      result[5] = h.x, result[6] = h.y, result[7] = h.z;
+    }
   }
 }
 
@@ -110,6 +165,50 @@ __global__ void __launch_bounds__(gpu::kReturnThreads)
 }  // namespace cuda
 
 namespace ep {
+namespace {
+
+// Engine ce returns rows by the plan of the rank's latest dispatch on its window set (and the
+// peers find each returned row's (token, slot) in their latest send headers), so it can serve only
+// that dispatch's Stage1Output: its row headers against the dispatch's landed ones
+// (ep_return_check_kernel), one small copy to the host and a synchronisation of the stream, before
+// the combine moves anything. Returns "" or the error.
+std::string ce_check_stage1_output(cudaStream_t st, const WindowSet& w, LocalRank& me,
+                                   const gpu::ReturnArgs& a, const DispatchOptions& opt) {
+  if (me.epoch == 0)
+    return "jax_sdma_moe combine (engine ce): stage2 before any stage1 of this geometry on rank " +
+           std::to_string(me.rank) + " (engine ce returns rows by the plan of its latest dispatch)";
+  if (a.in.m_cap == 0) return "";
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cudaStreamIsCapturing(st, &capture);
+  if (capture != cudaStreamCaptureStatusNone)
+    return "jax_sdma_moe combine: engine 'ce' synchronises with the host in every call and cannot "
+           "run inside a CUDA graph; use engine 'sm' there";
+  const int EL = int(w.g.EL);
+  cuda::ep_return_check_kernel<<<1, 1024, int(3 * EL + 1) * 4, st>>>(a, EL, opt.row_align,
+                                                                      me.epoch, me.check_dev);
+  JSM_CUDA_TRY("combine check", cudaGetLastError());
+  JSM_CUDA_TRY("combine check", cudaMemcpyAsync(me.check_host, me.check_dev,
+                                                kCheckWords * sizeof(int32_t),
+                                                cudaMemcpyDeviceToHost, st));
+  JSM_CUDA_TRY("combine check", cudaStreamSynchronize(st));
+  const int32_t* c = me.check_host;
+  if (c[0] == 0) return "";
+  auto header = [](const int32_t* h) {
+    return "(src_rank " + std::to_string(h[0]) + ", src_token " + std::to_string(h[1]) +
+           ", topk_slot " + std::to_string(h[2]) + ")";
+  };
+  return "jax_sdma_moe combine (engine ce): stage2 got a Stage1Output other than the latest stage1 "
+         "of this geometry on this rank; engine ce returns rows by the plan of its latest "
+         "dispatch, so it can combine only that dispatch's output (rank " +
+         std::to_string(me.rank) + ": " + std::to_string(c[0]) + " of " +
+         std::to_string(a.in.m_cap) + " rows differ, the first, row " + std::to_string(c[1]) +
+         ", is " + header(c + 2) + " in the Stage1Output and " + header(c + 5) +
+         " in the latest dispatch). Run stage2 on the output of the latest stage1 (as jsm.moe "
+         "does), or use engine 'sm', whose combine reads the Stage1Output alone. Nothing was "
+         "moved: if every rank failed here, the Runtime's windows are still in step.";
+}
+
+}  // namespace
 
 std::string combine(void* stream, const CombineView& in, int32_t* row_of,
                     const DispatchOptions& opt) {
@@ -130,10 +229,11 @@ std::string combine(void* stream, const CombineView& in, int32_t* row_of,
   static std::atomic<uint64_t> loaded{0};  // launch_util.h: kernels spin beside later launches
   JSM_CUDA_TRY("combine: loading its kernels",
                cuda::load_kernels_once(loaded, gpu::ep_return_begin_kernel,
+                                       cuda::ep_return_check_kernel,
                                        cuda::ep_return_gather_kernel, cuda::ep_return_index_kernel,
                                        gpu::ep_return_put_kernel, gpu::ep_return_flag_kernel,
                                        gpu::ep_return_sum_kernel));
-  me->timeout_s = opt.timeout_s;
+  me->timeout_s = bounded_timeout_s(opt.timeout_s);
   err = describe(*me);
   if (!err.empty()) return err;
   cudaStream_t st = static_cast<cudaStream_t>(stream);
@@ -143,10 +243,16 @@ std::string combine(void* stream, const CombineView& in, int32_t* row_of,
   }
   uint32_t* counter = at<uint32_t>(me->own, w->L.ret_epoch_counter);
   gpu::ReturnArgs a{me->peers, w->L, int(w->g.R), me->rank, counter,
-                     uint64_t(opt.timeout_s * 1e9), me->err_dev, in, row_of};
+                     timeout_ns(opt.timeout_s), me->err_dev, in, row_of};
+  if (ce) {
+    // before any epoch moves: a combine that fails here on every rank leaves the windows in step
+    err = ce_check_stage1_output(st, *w, *me, a, opt);
+    if (!err.empty()) return err;
+  }
   gpu::ep_return_begin_kernel<<<1, 1, 0, st>>>(counter);
   JSM_CUDA_TRY("combine begin", cudaGetLastError());
   const uint32_t epoch = ++me->ret_epoch;  // in step with the device's count (engine ce's host)
+  trace(me->rank, ce ? "combine ce: begin" : "combine sm: begin", epoch);
   const int rows_grid = int(std::min<int64_t>(
       cuda::grid_for(std::max<int64_t>(in.m_cap, 1), gpu::kReturnThreads / cuda::kWarp),
       2 * cuda::num_sms()));
@@ -157,6 +263,7 @@ std::string combine(void* stream, const CombineView& in, int32_t* row_of,
                                                                w->g.send_rows);
     JSM_CUDA_TRY("combine gather", cudaGetLastError());
     err = ce_return_rows(st, *w, *me, epoch);
+    trace(me->rank, "combine ce: rows enqueued", epoch, err);
     if (!err.empty()) return err;
     if (in.T * in.K > 0) {
       JSM_CUDA_TRY("combine index",

@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <thread>
 
 #include "kernels/cuda/ep/copy_engine.h"
@@ -58,6 +59,16 @@ void read_marks(LocalRank& l, bool first_chunk) {
     l.stats->mark_ns[m] += uint64_t(std::max(0.0f, ms[m]) * 1e6f);
 }
 
+// JSM_EP_LEGACY_ORDER=1 (diagnostics, temporary): engine ce's order before the fix, the fused
+// GEMM and the placement's event enqueued before the host's plan wait through the side stream.
+bool legacy_order() {
+  static const bool on = [] {
+    const char* v = std::getenv("JSM_EP_LEGACY_ORDER");
+    return v != nullptr && v[0] == '1';
+  }();
+  return on;
+}
+
 }  // namespace
 
 std::string dispatch(void* stream, const DispatchGeometry& g, const SendView& send,
@@ -81,7 +92,7 @@ std::string dispatch(void* stream, const DispatchGeometry& g, const SendView& se
                cuda::load_kernels_once(loaded, cuda::ep_begin_kernel, cuda::ep_headers_kernel,
                                        cuda::ep_sm_kernel, cuda::ep_place_kernel,
                                        cuda::ep_layout_kernel, cuda::ep_rows_kernel));
-  me->timeout_s = opt.timeout_s;
+  me->timeout_s = bounded_timeout_s(opt.timeout_s);
   read_marks(*me, w->engine == EngineId::kCe);
   err = describe(*me);
   if (!err.empty()) return err;
@@ -92,10 +103,11 @@ std::string dispatch(void* stream, const DispatchGeometry& g, const SendView& se
   uint32_t* epoch_counter = at<uint32_t>(me->own, w->L.epoch_counter);
   a.epoch_counter = epoch_counter;
   a.row_align = opt.row_align;
-  a.timeout_ns = uint64_t(opt.timeout_s * 1e9);
+  a.timeout_ns = timeout_ns(opt.timeout_s);
   a.err = me->err_dev;
   a.counts = send.counts, a.values = send.values, a.scales = send.scales;
   a.token = send.token, a.slot = send.slot, a.weight = send.weight;
+  if (w->engine == EngineId::kCe) a.host_plan = me->d_plan, a.host_ready = me->d_ready;
   const bool absent = opt.fault_absent_rank == me->rank;
   int busy_sms = 0;  // SMs the fused GEMM leaves to the dispatch
   // the timeline of fused calls outside CUDA graphs (whose replays never come back here)
@@ -105,8 +117,9 @@ std::string dispatch(void* stream, const DispatchGeometry& g, const SendView& se
   };
   std::chrono::steady_clock::time_point started;  // engine ce's plan statistics
   if (!absent) {
-    if (opt.fault_delay_rank == me->rank)
-      std::this_thread::sleep_for(std::chrono::milliseconds(opt.fault_delay_ms));
+    if (opt.fault_delay_rank == me->rank && opt.fault_delay_ms > 0)  // at most the timeout
+      std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(std::min(
+          double(opt.fault_delay_ms), me->timeout_s * 1e3)));
     started = std::chrono::steady_clock::now();
     // the epoch on the device (kernels read it there, also in a replayed CUDA graph); the host's
     // count runs in step for the ce engine's host-side steps (that engine is never captured)
@@ -114,6 +127,8 @@ std::string dispatch(void* stream, const DispatchGeometry& g, const SendView& se
     cuda::ep_begin_kernel<<<1, 1, 0, st>>>(epoch_counter);
     JSM_CUDA_TRY("dispatch begin", cudaGetLastError());
     const uint32_t epoch = ++me->epoch;
+    trace(me->rank, w->engine == EngineId::kCe ? "dispatch ce: begin" : "dispatch sm: begin",
+          epoch);
     if (w->engine == EngineId::kCe && w->g.send_rows > 0) {
       // the outgoing headers, on XLA's stream before the fork: a kernel on the side stream could
       // find every SM taken by the fused GEMM, which waits for these very rows
@@ -145,14 +160,32 @@ std::string dispatch(void* stream, const DispatchGeometry& g, const SendView& se
       const int place = std::min(w->kernel_blocks, cuda::num_sms() - 2);
       cuda::ep_place_kernel<<<place, 512, int(3 * w->g.EL + 1) * 4, me->place>>>(a);
       JSM_CUDA_TRY("dispatch ce place", cudaGetLastError());
-      JSM_CUDA_TRY("dispatch ce place", cudaEventRecord(me->placed, me->place));
+      if (legacy_order())
+        JSM_CUDA_TRY("dispatch ce place", cudaEventRecord(me->placed, me->place));
       // the placement's SMs, and one left to the driver (a peer copy's kernel, if it uses one)
       busy_sms = place + 1;
     }
   }
   const int64_t EL = w->g.EL;
-  cuda::ep_layout_kernel<<<1, 256, int(3 * EL + 1) * 4, st>>>(a, out, absent);
+  cuda::ep_layout_kernel<<<1, 256, int(3 * EL + 1) * 4, st>>>(a, out, absent,
+                                                                opt.global_overflow);
   JSM_CUDA_TRY("dispatch layout", cudaGetLastError());
+  // Engine ce: the host's steps (the plan, then the peers' copies) before anything on any stream
+  // that waits for the peers' rows: the fused GEMM (its own launches after its first wait for
+  // that one), the placement's event, the read-out. The streams of a context share a few hardware
+  // queues (copy_engine.cu ce_plan_wait): a copy enqueued after such work on another stream may
+  // queue behind it, and the peers' rows then wait for this rank's, which wait for theirs. So the
+  // GEMM is launched once the copies are enqueued: the host learns the plan as the own-rows
+  // kernel has it (mapped memory, no stream), while that kernel stores the own rows.
+  if (w->engine == EngineId::kCe && !absent && !legacy_order()) {
+    err = ce_plan_wait(*w, *me, me->epoch, started);
+    trace(me->rank, "dispatch ce: plan on the host", me->epoch, err);
+    if (err.empty())
+      err = ce_peer_rows(me->side, *w, *me, a, me->epoch,
+                         timed ? me->marks[kFirstChunk] : nullptr);
+    trace(me->rank, "dispatch ce: peers' rows enqueued", me->epoch, err);
+    if (!err.empty()) return err;
+  }
   if (gemm) {
     const EpWindowLayout& L = w->L;
     SlotView slot{{at<uint8_t>(me->own, L.values[0]), at<uint8_t>(me->own, L.values[1])},
@@ -167,14 +200,19 @@ std::string dispatch(void* stream, const DispatchGeometry& g, const SendView& se
     err = gemm(slot, st, gemm_ctx);
     if (!err.empty()) return err;
     JSM_CUDA_TRY("dispatch mark", mark(kGemmEnd, st));
+    trace(me->rank, "dispatch: fused GEMM launched", me->epoch);
   }
-  if (w->engine == EngineId::kCe && !absent) {  // on the side stream: XLA's holds the GEMM
-    err = ce_plan_wait(me->side, *w, *me, me->epoch, opt, started);
+  if (w->engine == EngineId::kCe && !absent && legacy_order()) {  // diagnostics: the order before
+    err = ce_plan_wait_stream(me->side, *w, *me, me->epoch);
+    trace(me->rank, "dispatch ce (legacy): plan on the host", me->epoch, err);
     if (err.empty())
       err = ce_peer_rows(me->side, *w, *me, a, me->epoch,
                          timed ? me->marks[kFirstChunk] : nullptr);
+    trace(me->rank, "dispatch ce (legacy): peers' rows enqueued", me->epoch, err);
     if (!err.empty()) return err;
   }
+  if (w->engine == EngineId::kCe && !absent && !legacy_order())
+    JSM_CUDA_TRY("dispatch ce place", cudaEventRecord(me->placed, me->place));
   // a few blocks per SM (grid-stride): each block first waits for every signal
   const int rows_grid = std::min(cuda::grid_for(w->g.m_cap, 8), 4 * cuda::num_sms());
   cuda::ep_rows_kernel<<<rows_grid, 256, int(2 * EL) * 4, st>>>(
@@ -188,6 +226,7 @@ std::string dispatch(void* stream, const DispatchGeometry& g, const SendView& se
       JSM_CUDA_TRY("dispatch join", cudaStreamWaitEvent(st, me->placed, 0));
   }
   me->marks_pending = timed;
+  trace(me->rank, "dispatch: enqueued", me->epoch);
   return "";
 }
 

@@ -101,14 +101,18 @@ __device__ void build_segments(const EpArgs& a, int p, SegmentTable t) {
 // peers first), raising each segment's signal at its destination once its rows are stored: every
 // rank's fused GEMM can start on its first experts while the later ones are still moving.
 // own_only (engine ce): the copy engines put the plan and the peers' segments; the blocks store
-// this rank's own segments (expert q), so the host enqueues no copy within the GPU and need not
-// know the plan before the fused GEMM's launch.
+// this rank's own segments (expert q), so the host enqueues no copy within the GPU; block 0 also
+// publishes the whole plan to the host (a.host_plan, then the epoch in a.host_ready[1]; the
+// epoch in host_ready[0] as it starts), which the host reads with no stream in between
+// (copy_engine.cu ce_plan_wait says why).
 __global__ void __launch_bounds__(512) ep_sm_kernel(const EpArgs a, bool own_only) {
   extern __shared__ int32_t smem[];
   const int R = int(a.g.R), EL = int(a.g.EL);
   const int64_t H = a.g.H, HS = H / kBlock;
   const uint32_t epoch = call_epoch(a);
   const int p = int(epoch & 1);
+  const bool publish = own_only && blockIdx.x == 0 && a.host_ready != nullptr;
+  if (publish && threadIdx.x == 0) st_release_sys(a.host_ready, epoch);
   if (blockIdx.x == 0 && !own_only) {
     for (int d = 0; d < R; ++d) {
       int32_t* dst = at<int32_t>(a.peers.base[d], a.L.plan[p]) + int64_t(a.rank) * R * EL;
@@ -120,6 +124,13 @@ __global__ void __launch_bounds__(512) ep_sm_kernel(const EpArgs a, bool own_onl
       st_release_sys(at<uint32_t>(a.peers.base[threadIdx.x], a.L.plan_flag[p]) + a.rank, epoch);
   }
   if (!wait_plan(a, epoch)) return;
+  if (publish) {
+    const int32_t* plan = at<const int32_t>(a.peers.base[a.rank], a.L.plan[p]);
+    for (int i = threadIdx.x; i < R * R * EL; i += blockDim.x) a.host_plan[i] = __ldcg(plan + i);
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) st_release_sys(a.host_ready + 1, epoch);
+  }
   SegmentTable t{smem, smem + R * EL, smem + 2 * R * EL, smem + 3 * R * EL + 1};
   build_segments(a, p, t);
   for (int q = blockIdx.x; q < (own_only ? EL : R * EL); q += gridDim.x) {
@@ -185,16 +196,47 @@ __global__ void __launch_bounds__(512) ep_place_kernel(const EpArgs a) {
   }
 }
 
+// The rows dropped (past M_cap) over every destination of the axis, from the whole plan
+// [R src][R dst][EL] every rank holds: each destination's §4 layout (landing_layout, as that
+// destination computes it) in turn. All threads of the block call it; smem: 3 * EL + 1 int32.
+// Thread 0's return value is the count.
+__device__ int64_t dropped_on_every_rank(const int32_t* plan, int R, int EL, int64_t row_align,
+                                         int64_t m_cap, int32_t* smem) {
+  int32_t* totals = smem;
+  int32_t* offsets = smem + EL;
+  int32_t* counts = smem + 2 * EL;  // [EL] + dropped
+  int64_t dropped = 0;
+  for (int d = 0; d < R; ++d) {
+    for (int e = threadIdx.x; e < EL; e += blockDim.x) {
+      int32_t sum = 0;
+      for (int s = 0; s < R; ++s) sum += __ldcg(plan + (int64_t(s) * R + d) * EL + e);
+      totals[e] = sum;
+    }
+    __syncthreads();
+    landing_layout_smem(totals, EL, row_align, m_cap, offsets, counts, counts + EL);
+    dropped += counts[EL];
+    __syncthreads();  // counts[EL] read before the next destination's layout writes it
+  }
+  return dropped;
+}
+
 // Both engines, first after the puts: wait (bounded) for every source's plan, then write this
 // rank's §4 layout (expert offsets and counts, rows, overflow). absent: this rank takes no part
-// (fault injection): no rows, no wait.
-__global__ void ep_layout_kernel(const EpArgs a, LandedView out, bool absent) {
+// (fault injection): no rows, no wait. global_overflow (DispatchOptions): `overflow` counts the
+// rows dropped on every rank of the axis, the same number on each (stage1(check=True) then fails
+// alike on every rank); else this rank's.
+__global__ void ep_layout_kernel(const EpArgs a, LandedView out, bool absent,
+                                 bool global_overflow) {
   extern __shared__ int32_t smem[];  // ReceivedSegments: 3 * EL + 1
   const int EL = int(a.g.EL);
   const uint32_t epoch = absent ? 0 : call_epoch(a);
   const bool plan_ok = !absent && wait_plan(a, epoch);
-  ReceivedSegments segs{at<const int32_t>(a.peers.base[a.rank], a.L.plan[epoch & 1]), int(a.g.R),
-                        EL, a.rank};
+  const int32_t* plan = at<const int32_t>(a.peers.base[a.rank], a.L.plan[epoch & 1]);
+  int64_t dropped_everywhere = 0;
+  if (global_overflow && plan_ok)
+    dropped_everywhere =
+        dropped_on_every_rank(plan, int(a.g.R), EL, a.row_align, a.g.m_cap, smem);
+  ReceivedSegments segs{plan, int(a.g.R), EL, a.rank};
   segs.build(smem, a.row_align, a.g.m_cap, plan_ok);  // no plan: nothing landed
   for (int e = threadIdx.x; e < EL; e += blockDim.x) {
     out.expert_offsets[e] = segs.offsets[e];
@@ -204,7 +246,7 @@ __global__ void ep_layout_kernel(const EpArgs a, LandedView out, bool absent) {
     int32_t rows = 0;
     for (int e = 0; e < EL; ++e) rows += segs.counts[e];
     *out.num_rows = rows;
-    *out.overflow = segs.counts[EL];
+    *out.overflow = global_overflow ? int32_t(dropped_everywhere) : segs.counts[EL];
   }
 }
 

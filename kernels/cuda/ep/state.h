@@ -8,6 +8,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -48,7 +50,17 @@ struct LocalRank {
   cuda::EpError* err_host = nullptr;  // mapped pinned memory
   cuda::EpError* err_dev = nullptr;
   uint32_t* h_flags = nullptr;  // pinned
-  int32_t* h_plan = nullptr;    // pinned
+  // engine ce: the plan of the latest dispatch [R src][R dst * EL], and ready[2] (the epoch its
+  // own-rows kernel started, the epoch whose plan h_plan holds): mapped pinned memory the kernel
+  // writes (d_plan, d_ready: its device addresses), read by the host with no stream in between
+  int32_t* h_plan = nullptr;
+  int32_t* d_plan = nullptr;
+  uint32_t* h_ready = nullptr;
+  uint32_t* d_ready = nullptr;
+  // engine ce's combine: its check of the Stage1Output against the latest dispatch (kCheckWords
+  // int32, on the device and its pinned copy on the host)
+  int32_t* check_dev = nullptr;
+  int32_t* check_host = nullptr;
   cudaStream_t side = nullptr;  // row copies (ce) or the sm kernel, beside XLA's stream
   cudaEvent_t fork = nullptr, join = nullptr;
   // engine ce: the placement kernel's stream (it waits for the peers' rows on the device, so it
@@ -98,6 +110,40 @@ inline LocalRank* rank_on_current_device(WindowSet& w) {
   return nullptr;
 }
 
+// The longest wait a call honours (1e9 s, ~32 years): timeout_s * 1e9 then fits in uint64_t ns,
+// and so does the device's deadline (%globaltimer, ns since 1970, plus the timeout), also for
+// timeout_s = inf or a huge value. NaN or <= 0 (Stage1Config refuses them): no wait at all.
+constexpr double kMaxTimeoutS = 1e9;
+inline double bounded_timeout_s(double s) {
+  if (!(s > 0)) return 0;
+  return s < kMaxTimeoutS ? s : kMaxTimeoutS;
+}
+inline uint64_t timeout_ns(double s) { return uint64_t(bounded_timeout_s(s) * 1e9); }
+
+// engine ce's combine check (combine.cu ep_return_check_kernel): the rows that differ, the first
+// of them (-1: none), its (src_rank, token, slot) in the Stage1Output and in the latest dispatch
+constexpr int kCheckWords = 8;
+
+// JSM_EP_TRACE=1: each host step of the ce/sm engines' calls on stderr, with the rank, the epoch
+// and the ms since the process's first trace (diagnostics of a hang: which rank's host got how
+// far).
+inline bool trace_on() {
+  static const bool on = [] {
+    const char* v = std::getenv("JSM_EP_TRACE");
+    return v != nullptr && v[0] != '\0' && v[0] != '0';
+  }();
+  return on;
+}
+inline void trace(int rank, const char* what, uint32_t epoch, const std::string& more = "") {
+  if (!trace_on()) return;
+  static const auto t0 = std::chrono::steady_clock::now();
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() -
+                                                              t0).count();
+  std::fprintf(stderr, "[jsm ep trace] %10.3f ms rank %d epoch %u: %s%s%s\n", ms, rank, epoch,
+               what, more.empty() ? "" : " ", more.c_str());
+  std::fflush(stderr);
+}
+
 inline uint64_t elapsed_ns(std::chrono::steady_clock::time_point since) {
   return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
                       std::chrono::steady_clock::now() - since)
@@ -114,11 +160,25 @@ inline std::string cuda_error(const std::string& what, cudaError_t e) {
     if (_e != cudaSuccess) return ::jsm::ep::cuda_error(what, _e); \
   } while (0)
 
-// "" or the error a bounded wait recorded for this rank, naming rank, peer and epoch.
+// Codes of the device error word beyond the bounded waits' (ep_errors.h: 1 to 4): engine ce's
+// combine found a send header of this rank outside [T, K) (peer: the send position, expert: the
+// token, epoch: the combine's): a Stage1Output or combine shapes not of the latest dispatch.
+constexpr uint32_t kErrReturnHeader = 5;
+
+// "" or the error a kernel recorded for this rank: a bounded wait's, naming rank, peer and
+// epoch, or a header check's.
 inline std::string describe(const LocalRank& me) {
   volatile cuda::EpError* v = me.err_host;  // the code is written last (after a system fence)
-  return describe_wait_error(cuda::EpError{v->code, v->peer, v->expert, v->epoch}, me.rank,
-                             me.timeout_s);
+  const cuda::EpError e{v->code, v->peer, v->expert, v->epoch};
+  if (e.code == kErrReturnHeader)
+    return "jax_sdma_moe combine (engine ce): rank " + std::to_string(me.rank) +
+           "'s send row " + std::to_string(e.peer) + " names token " +
+           std::to_string(int32_t(e.expert)) +
+           ", outside the combine's tokens or slots (combine epoch " + std::to_string(e.epoch) +
+           "): stage2 got a Stage1Output whose shapes are not those of the latest stage1 on this "
+           "rank. Its rows were not returned; the Runtime's windows may be out of step: create a "
+           "new Runtime.";
+  return describe_wait_error(e, me.rank, me.timeout_s);
 }
 
 }  // namespace ep

@@ -42,6 +42,9 @@ void free_rank(LocalRank& l) {
   if (l.err_host) cudaFreeHost(l.err_host);
   if (l.h_flags) cudaFreeHost(l.h_flags);
   if (l.h_plan) cudaFreeHost(l.h_plan);
+  if (l.h_ready) cudaFreeHost(l.h_ready);
+  if (l.check_dev) cudaFree(l.check_dev);
+  if (l.check_host) cudaFreeHost(l.check_host);
   if (l.side) cudaStreamDestroy(l.side);
   if (l.place) cudaStreamDestroy(l.place);
   if (l.placed) cudaEventDestroy(l.placed);
@@ -95,7 +98,17 @@ int64_t windows_create(EngineId engine, int kernel_blocks, const DispatchGeometr
     if (e == cudaSuccess) std::memset(l.err_host, 0, sizeof(EpError));
     if (e == cudaSuccess) e = cudaHostGetDevicePointer(&l.err_dev, l.err_host, 0);
     if (e == cudaSuccess) e = cudaMallocHost(&l.h_flags, size_t(R) * 4);
-    if (e == cudaSuccess) e = cudaMallocHost(&l.h_plan, size_t(R * R * g.EL) * 4);
+    if (e == cudaSuccess)
+      e = cudaHostAlloc(&l.h_plan, size_t(R * R * g.EL) * 4,
+                        cudaHostAllocMapped | cudaHostAllocPortable);
+    if (e == cudaSuccess) e = cudaHostGetDevicePointer(&l.d_plan, l.h_plan, 0);
+    if (e == cudaSuccess)
+      e = cudaHostAlloc(&l.h_ready, 2 * sizeof(uint32_t),
+                        cudaHostAllocMapped | cudaHostAllocPortable);
+    if (e == cudaSuccess) std::memset(l.h_ready, 0, 2 * sizeof(uint32_t));
+    if (e == cudaSuccess) e = cudaHostGetDevicePointer(&l.d_ready, l.h_ready, 0);
+    if (e == cudaSuccess) e = cudaMalloc(&l.check_dev, kCheckWords * sizeof(int32_t));
+    if (e == cudaSuccess) e = cudaMallocHost(&l.check_host, kCheckWords * sizeof(int32_t));
     if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&l.side, cudaStreamNonBlocking);
     if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&l.place, cudaStreamNonBlocking);
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&l.placed, cudaEventDisableTiming);
