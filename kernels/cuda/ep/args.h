@@ -26,8 +26,8 @@ struct EpArgs {
   const int32_t* slot;
   const float* weight;
   // engine ce: where its own-rows kernel publishes the whole plan to the host (mapped pinned
-  // memory, [R src][R dst * EL]) and, in host_ready, the epoch it started (0) and the epoch whose
-  // plan is there (1); null for engine sm
+  // memory, [R src][R dst * EL]), then in *host_ready the epoch whose plan is there; null for
+  // engine sm
   int32_t* host_plan;
   uint32_t* host_ready;
 };

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -118,96 +119,36 @@ std::string ce_plan_put(cudaStream_t st, const WindowSet& w, LocalRank& me, cons
   return write_flags(st, flags, epoch);
 }
 
-// Engine ce, step 2: the host's bounded wait for every source's plan (one host synchronisation per
-// call, like DeepEP's normal mode): this rank's counts size its copies, and the combine finds its
-// runs there. The rank's own-rows kernel, on XLA's stream right after the plan's puts, waits for
-// every plan on the device and publishes it to mapped pinned memory (me.h_plan, me.h_ready), which
-// the host polls with no stream in between. A poll through a stream (a copy to the host, then a
-// synchronisation) could sit behind work that waits for the peers: CUDA multiplexes a context's
-// streams onto a few hardware queues (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default), so a copy on
-// one stream may queue behind another stream's event record or kernel that waits for a running
-// kernel, here the fused GEMM or the placement waiting for the peers' rows, which the peers send
-// only after their own such poll: ranks whose streams met in one queue waited for each other
-// until their timeout (the EP8 deadlock on one shared GPU; two processes: 1 run in 11).
-// plan_stream_ns counts the time until the kernel started (this rank's route and qpack, the
-// stream's earlier work); the rest is the peers. Bounded: the kernel's wait records its expiry
-// (naming the peer); a kernel that never starts, or never finishes its wait, fails the call after
-// the timeout too.
-std::string ce_plan_wait(const WindowSet& w, LocalRank& me, uint32_t epoch,
+// Engine ce, step 2: the host's wait for every source's plan (one host synchronisation per call,
+// like DeepEP's normal mode): this rank's counts size its copies, and the combine finds its runs
+// there. dispatch() calls it once XLA's stream `st` holds this call's steps up to the plan's wait
+// (the puts, the own-rows kernel, the layout) and NOTHING that waits for the peers' rows: the fused
+// GEMM, the placement's event and the read-out come after the peers' copies. It synchronises `st`:
+// the own-rows kernel there has waited (bounded) for every plan and published it to mapped pinned
+// memory (me.h_plan, then the epoch in *me.h_ready).
+// Why this order: CUDA multiplexes a context's streams onto a few hardware queues
+// (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default), so work on one stream may queue behind another
+// stream's event record or kernel launch that waits for a running kernel. Before, the host polled
+// the plan by a copy on the side stream enqueued after the fused GEMM's launch and the GEMM's and
+// the placement's event records, all waiting for the peers' rows, which the peers send only after
+// their own poll: ranks whose streams met in one queue waited for each other until their timeout
+// (the EP8 deadlock on one shared GPU; with CUDA_DEVICE_MAX_CONNECTIONS=1 every time, at R = 2).
+// Bounded: every wait of the kernels on `st` is (an expired one is recorded, naming the peer).
+std::string ce_plan_wait(cudaStream_t st, const WindowSet& w, LocalRank& me, uint32_t epoch,
                          std::chrono::steady_clock::time_point started) {
   (void)w;
-  using Clock = std::chrono::steady_clock;
-  const auto timeout = std::chrono::duration_cast<Clock::duration>(
-      std::chrono::duration<double>(me.timeout_s));
-  auto deadline = Clock::now() + timeout;
-  volatile uint32_t* ready = me.h_ready;
-  volatile cuda::EpError* e = me.err_host;
-  bool kernel_started = false;
-  for (int64_t polls = 0;; ++polls) {
-    if (!kernel_started && cuda::epoch_reached(ready[0], epoch)) {
-      kernel_started = true;
-      me.stats->plan_stream_ns += elapsed_ns(started);
-      trace(me.rank, "dispatch ce: own-rows kernel started", epoch);
-      // from here the kernel's own bounded wait runs: give it its whole timeout to record
-      // which peer is missing
-      deadline = Clock::now() + timeout + std::chrono::seconds(1);
-    }
-    if (cuda::epoch_reached(ready[1], epoch)) break;
-    if (e->code != 0) return describe(me);  // the kernel's wait expired (or an earlier one)
-    if (Clock::now() > deadline) {
-      trace(me.rank, "dispatch ce: plan wait expired", epoch,
-            std::string(kernel_started ? "(kernel started) " : "(kernel not started) ") +
-                std::to_string(polls) + " polls");
-      if (e->code != 0) return describe(me);
-      return "jax_sdma_moe dispatch (ce): rank " + std::to_string(me.rank) + " timed out after " +
-             std::to_string(me.timeout_s) + " s waiting for " +
-             (kernel_started ? "its own-rows kernel to publish the plan (epoch "
-                             : "its own-rows kernel to start (the stream's earlier work; epoch ") +
-             std::to_string(epoch) +
-             "). The Runtime's windows are now out of step: create a new Runtime.";
-    }
-    std::this_thread::yield();  // (a sleep would add its ~50 us granularity to the GEMM's start)
+  JSM_CUDA_TRY("dispatch ce plan wait", cudaStreamSynchronize(st));
+  if (!cuda::epoch_reached(*static_cast<volatile uint32_t*>(me.h_ready), epoch)) {  // the kernel's wait for a plan expired
+    const std::string err = describe(me);
+    return err.empty() ? "jax_sdma_moe dispatch (ce): rank " + std::to_string(me.rank) +
+                             " found no plan of epoch " + std::to_string(epoch) +
+                             " after its own-rows kernel: the Runtime's windows are out of step; "
+                             "create a new Runtime."
+                       : err;
   }
-  std::atomic_thread_fence(std::memory_order_acquire);  // the plan was written before ready[1]
+  std::atomic_thread_fence(std::memory_order_acquire);  // the plan was written before h_ready
   me.stats->calls += 1;
   me.stats->plan_ns += elapsed_ns(started);
-  return "";
-}
-
-// The wait of the engine before this commit (JSM_EP_LEGACY_ORDER=1, diagnostics only): the plan
-// read back through stream `st` by a copy and a synchronisation.
-std::string ce_plan_wait_stream(cudaStream_t st, const WindowSet& w, LocalRank& me,
-                                uint32_t epoch) {
-  const int64_t R = w.g.R, EL = w.g.EL;
-  const int p = int(epoch & 1);
-  const EpWindowLayout& L = w.L;
-  using Clock = std::chrono::steady_clock;
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                           std::chrono::duration<double>(me.timeout_s));
-  int64_t polls = 0;
-  for (bool first = true;; first = false, ++polls) {
-    JSM_CUDA_TRY("dispatch ce plan wait",
-                 cudaMemcpyAsync(me.h_flags, at<uint32_t>(me.own, L.plan_flag[p]), size_t(R) * 4,
-                                 cudaMemcpyDeviceToHost, st));
-    JSM_CUDA_TRY("dispatch ce plan wait", cudaStreamSynchronize(st));
-    if (first) trace(me.rank, "dispatch ce (legacy): first plan poll back", epoch);
-    int64_t missing = -1;
-    for (int64_t s = 0; s < R && missing < 0; ++s)
-      if (!cuda::epoch_reached(me.h_flags[s], epoch)) missing = s;
-    if (missing < 0) break;
-    if (Clock::now() > deadline) {
-      volatile EpError* e = me.err_host;
-      if (e->code == 0)
-        e->peer = uint32_t(missing), e->expert = 0, e->epoch = epoch, e->code = 1;
-      return describe(me);
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(10));
-  }
-  JSM_CUDA_TRY("dispatch ce plan read",
-               cudaMemcpyAsync(me.h_plan, at<int32_t>(me.own, L.plan[p]),
-                               size_t(R * R * EL) * 4, cudaMemcpyDeviceToHost, st));
-  JSM_CUDA_TRY("dispatch ce plan read", cudaStreamSynchronize(st));
-  me.stats->calls += 1;
   return "";
 }
 

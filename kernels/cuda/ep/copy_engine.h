@@ -18,13 +18,11 @@ namespace ep {
 std::string ce_plan_put(cudaStream_t st, const WindowSet& w, LocalRank& me, const cuda::EpArgs& a,
                         uint32_t epoch);
 
-// 2. the host's bounded wait for every source's plan, which the rank's own-rows kernel publishes
-// to mapped pinned memory (me.h_plan): no stream in between (copy_engine.cu says why).
-std::string ce_plan_wait(const WindowSet& w, LocalRank& me, uint32_t epoch,
+// 2. the host's wait for every source's plan: a synchronisation of XLA's stream `st`, which holds
+// nothing yet that waits for the peers' rows; the rank's own-rows kernel publishes the plan to
+// mapped pinned memory (me.h_plan) there (copy_engine.cu says why).
+std::string ce_plan_wait(cudaStream_t st, const WindowSet& w, LocalRank& me, uint32_t epoch,
                          std::chrono::steady_clock::time_point started);
-// the wait before (JSM_EP_LEGACY_ORDER=1, diagnostics): a copy to the host through stream `st`
-std::string ce_plan_wait_stream(cudaStream_t st, const WindowSet& w, LocalRank& me,
-                                uint32_t epoch);
 
 // 3. each peer's rows (values, then meta rows) in one piece into its staging, then its flag
 // there (the peer's placement kernel puts them at their offsets). after_first_peer: an event

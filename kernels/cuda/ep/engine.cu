@@ -24,7 +24,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
 #include <thread>
 
 #include "kernels/cuda/ep/copy_engine.h"
@@ -57,16 +56,6 @@ void read_marks(LocalRank& l, bool first_chunk) {
   if (first_chunk) l.stats->first_chunk_calls += 1;
   for (int m = kGemmStart; m < kMarks; ++m)
     l.stats->mark_ns[m] += uint64_t(std::max(0.0f, ms[m]) * 1e6f);
-}
-
-// JSM_EP_LEGACY_ORDER=1 (diagnostics, temporary): engine ce's order before the fix, the fused
-// GEMM and the placement's event enqueued before the host's plan wait through the side stream.
-bool legacy_order() {
-  static const bool on = [] {
-    const char* v = std::getenv("JSM_EP_LEGACY_ORDER");
-    return v != nullptr && v[0] == '1';
-  }();
-  return on;
 }
 
 }  // namespace
@@ -160,8 +149,6 @@ std::string dispatch(void* stream, const DispatchGeometry& g, const SendView& se
       const int place = std::min(w->kernel_blocks, cuda::num_sms() - 2);
       cuda::ep_place_kernel<<<place, 512, int(3 * w->g.EL + 1) * 4, me->place>>>(a);
       JSM_CUDA_TRY("dispatch ce place", cudaGetLastError());
-      if (legacy_order())
-        JSM_CUDA_TRY("dispatch ce place", cudaEventRecord(me->placed, me->place));
       // the placement's SMs, and one left to the driver (a peer copy's kernel, if it uses one)
       busy_sms = place + 1;
     }
@@ -171,14 +158,13 @@ std::string dispatch(void* stream, const DispatchGeometry& g, const SendView& se
                                                                 opt.global_overflow);
   JSM_CUDA_TRY("dispatch layout", cudaGetLastError());
   // Engine ce: the host's steps (the plan, then the peers' copies) before anything on any stream
-  // that waits for the peers' rows: the fused GEMM (its own launches after its first wait for
-  // that one), the placement's event, the read-out. The streams of a context share a few hardware
+  // that waits for the peers' rows: the fused GEMM (its launches after its first wait for that
+  // one), the placement's event, the read-out. The streams of a context share a few hardware
   // queues (copy_engine.cu ce_plan_wait): a copy enqueued after such work on another stream may
   // queue behind it, and the peers' rows then wait for this rank's, which wait for theirs. So the
-  // GEMM is launched once the copies are enqueued: the host learns the plan as the own-rows
-  // kernel has it (mapped memory, no stream), while that kernel stores the own rows.
-  if (w->engine == EngineId::kCe && !absent && !legacy_order()) {
-    err = ce_plan_wait(*w, *me, me->epoch, started);
+  // GEMM is launched once the copies are enqueued.
+  if (w->engine == EngineId::kCe && !absent) {
+    err = ce_plan_wait(st, *w, *me, me->epoch, started);
     trace(me->rank, "dispatch ce: plan on the host", me->epoch, err);
     if (err.empty())
       err = ce_peer_rows(me->side, *w, *me, a, me->epoch,
@@ -202,16 +188,7 @@ std::string dispatch(void* stream, const DispatchGeometry& g, const SendView& se
     JSM_CUDA_TRY("dispatch mark", mark(kGemmEnd, st));
     trace(me->rank, "dispatch: fused GEMM launched", me->epoch);
   }
-  if (w->engine == EngineId::kCe && !absent && legacy_order()) {  // diagnostics: the order before
-    err = ce_plan_wait_stream(me->side, *w, *me, me->epoch);
-    trace(me->rank, "dispatch ce (legacy): plan on the host", me->epoch, err);
-    if (err.empty())
-      err = ce_peer_rows(me->side, *w, *me, a, me->epoch,
-                         timed ? me->marks[kFirstChunk] : nullptr);
-    trace(me->rank, "dispatch ce (legacy): peers' rows enqueued", me->epoch, err);
-    if (!err.empty()) return err;
-  }
-  if (w->engine == EngineId::kCe && !absent && !legacy_order())
+  if (w->engine == EngineId::kCe && !absent)
     JSM_CUDA_TRY("dispatch ce place", cudaEventRecord(me->placed, me->place));
   // a few blocks per SM (grid-stride): each block first waits for every signal
   const int rows_grid = std::min(cuda::grid_for(w->g.m_cap, 8), 4 * cuda::num_sms());

@@ -102,9 +102,8 @@ __device__ void build_segments(const EpArgs& a, int p, SegmentTable t) {
 // rank's fused GEMM can start on its first experts while the later ones are still moving.
 // own_only (engine ce): the copy engines put the plan and the peers' segments; the blocks store
 // this rank's own segments (expert q), so the host enqueues no copy within the GPU; block 0 also
-// publishes the whole plan to the host (a.host_plan, then the epoch in a.host_ready[1]; the
-// epoch in host_ready[0] as it starts), which the host reads with no stream in between
-// (copy_engine.cu ce_plan_wait says why).
+// publishes the whole plan to the host (a.host_plan, then the epoch in *a.host_ready), which
+// the host reads once it has synchronised the stream (copy_engine.cu ce_plan_wait).
 __global__ void __launch_bounds__(512) ep_sm_kernel(const EpArgs a, bool own_only) {
   extern __shared__ int32_t smem[];
   const int R = int(a.g.R), EL = int(a.g.EL);
@@ -112,7 +111,6 @@ __global__ void __launch_bounds__(512) ep_sm_kernel(const EpArgs a, bool own_onl
   const uint32_t epoch = call_epoch(a);
   const int p = int(epoch & 1);
   const bool publish = own_only && blockIdx.x == 0 && a.host_ready != nullptr;
-  if (publish && threadIdx.x == 0) st_release_sys(a.host_ready, epoch);
   if (blockIdx.x == 0 && !own_only) {
     for (int d = 0; d < R; ++d) {
       int32_t* dst = at<int32_t>(a.peers.base[d], a.L.plan[p]) + int64_t(a.rank) * R * EL;
@@ -129,7 +127,7 @@ __global__ void __launch_bounds__(512) ep_sm_kernel(const EpArgs a, bool own_onl
     for (int i = threadIdx.x; i < R * R * EL; i += blockDim.x) a.host_plan[i] = __ldcg(plan + i);
     __threadfence_system();
     __syncthreads();
-    if (threadIdx.x == 0) st_release_sys(a.host_ready + 1, epoch);
+    if (threadIdx.x == 0) st_release_sys(a.host_ready, epoch);
   }
   SegmentTable t{smem, smem + R * EL, smem + 2 * R * EL, smem + 3 * R * EL + 1};
   build_segments(a, p, t);

@@ -28,6 +28,8 @@ namespace ep {
 // kernel); ce: the first peer's copies landed.
 enum Mark { kStart, kGemmStart, kGemmEnd, kSideEnd, kFirstChunk, kMarks };
 
+// plan_stream_ns: no longer measured (0): the host waits for its stream's earlier work and the
+// peers' plans in one synchronisation, counted in plan_ns.
 struct RankStats {  // written by the rank's calls, read by host_stats() from another thread
   std::atomic<uint64_t> calls{0}, plan_ns{0}, plan_stream_ns{0}, enqueue_ns{0};
   // row copies enqueued, those enqueued one at a time because cudaMemcpyBatchAsync refused the
@@ -49,10 +51,9 @@ struct LocalRank {
   double timeout_s = 0;
   cuda::EpError* err_host = nullptr;  // mapped pinned memory
   cuda::EpError* err_dev = nullptr;
-  uint32_t* h_flags = nullptr;  // pinned
-  // engine ce: the plan of the latest dispatch [R src][R dst * EL], and ready[2] (the epoch its
-  // own-rows kernel started, the epoch whose plan h_plan holds): mapped pinned memory the kernel
-  // writes (d_plan, d_ready: its device addresses), read by the host with no stream in between
+  // engine ce: the plan of the latest dispatch [R src][R dst * EL], and the epoch whose plan it
+  // holds: mapped pinned memory its own-rows kernel writes (d_plan, d_ready: the device's
+  // addresses), read by the host after synchronising XLA's stream
   int32_t* h_plan = nullptr;
   int32_t* d_plan = nullptr;
   uint32_t* h_ready = nullptr;

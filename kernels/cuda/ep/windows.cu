@@ -40,7 +40,6 @@ void free_rank(LocalRank& l) {
   for (void* p : l.opened) cudaIpcCloseMemHandle(p);
   if (l.own) cudaFree(l.own);
   if (l.err_host) cudaFreeHost(l.err_host);
-  if (l.h_flags) cudaFreeHost(l.h_flags);
   if (l.h_plan) cudaFreeHost(l.h_plan);
   if (l.h_ready) cudaFreeHost(l.h_ready);
   if (l.check_dev) cudaFree(l.check_dev);
@@ -97,15 +96,14 @@ int64_t windows_create(EngineId engine, int kernel_blocks, const DispatchGeometr
       e = cudaHostAlloc(&l.err_host, sizeof(EpError), cudaHostAllocMapped | cudaHostAllocPortable);
     if (e == cudaSuccess) std::memset(l.err_host, 0, sizeof(EpError));
     if (e == cudaSuccess) e = cudaHostGetDevicePointer(&l.err_dev, l.err_host, 0);
-    if (e == cudaSuccess) e = cudaMallocHost(&l.h_flags, size_t(R) * 4);
     if (e == cudaSuccess)
       e = cudaHostAlloc(&l.h_plan, size_t(R * R * g.EL) * 4,
                         cudaHostAllocMapped | cudaHostAllocPortable);
     if (e == cudaSuccess) e = cudaHostGetDevicePointer(&l.d_plan, l.h_plan, 0);
     if (e == cudaSuccess)
-      e = cudaHostAlloc(&l.h_ready, 2 * sizeof(uint32_t),
+      e = cudaHostAlloc(&l.h_ready, sizeof(uint32_t),
                         cudaHostAllocMapped | cudaHostAllocPortable);
-    if (e == cudaSuccess) std::memset(l.h_ready, 0, 2 * sizeof(uint32_t));
+    if (e == cudaSuccess) *l.h_ready = 0;
     if (e == cudaSuccess) e = cudaHostGetDevicePointer(&l.d_ready, l.h_ready, 0);
     if (e == cudaSuccess) e = cudaMalloc(&l.check_dev, kCheckWords * sizeof(int32_t));
     if (e == cudaSuccess) e = cudaMallocHost(&l.check_host, kCheckWords * sizeof(int32_t));
