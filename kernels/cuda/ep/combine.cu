@@ -252,7 +252,6 @@ std::string combine(void* stream, const CombineView& in, int32_t* row_of,
   gpu::ep_return_begin_kernel<<<1, 1, 0, st>>>(counter);
   JSM_CUDA_TRY("combine begin", cudaGetLastError());
   const uint32_t epoch = ++me->ret_epoch;  // in step with the device's count (engine ce's host)
-  trace(me->rank, ce ? "combine ce: begin" : "combine sm: begin", epoch);
   const int rows_grid = int(std::min<int64_t>(
       cuda::grid_for(std::max<int64_t>(in.m_cap, 1), gpu::kReturnThreads / cuda::kWarp),
       2 * cuda::num_sms()));
@@ -263,7 +262,6 @@ std::string combine(void* stream, const CombineView& in, int32_t* row_of,
                                                                w->g.send_rows);
     JSM_CUDA_TRY("combine gather", cudaGetLastError());
     err = ce_return_rows(st, *w, *me, epoch);
-    trace(me->rank, "combine ce: rows enqueued", epoch, err);
     if (!err.empty()) return err;
     if (in.T * in.K > 0) {
       JSM_CUDA_TRY("combine index",

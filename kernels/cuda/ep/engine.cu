@@ -116,8 +116,6 @@ std::string dispatch(void* stream, const DispatchGeometry& g, const SendView& se
     cuda::ep_begin_kernel<<<1, 1, 0, st>>>(epoch_counter);
     JSM_CUDA_TRY("dispatch begin", cudaGetLastError());
     const uint32_t epoch = ++me->epoch;
-    trace(me->rank, w->engine == EngineId::kCe ? "dispatch ce: begin" : "dispatch sm: begin",
-          epoch);
     if (w->engine == EngineId::kCe && w->g.send_rows > 0) {
       // the outgoing headers, on XLA's stream before the fork: a kernel on the side stream could
       // find every SM taken by the fused GEMM, which waits for these very rows
@@ -165,11 +163,9 @@ std::string dispatch(void* stream, const DispatchGeometry& g, const SendView& se
   // GEMM is launched once the copies are enqueued.
   if (w->engine == EngineId::kCe && !absent) {
     err = ce_plan_wait(st, *w, *me, me->epoch, started);
-    trace(me->rank, "dispatch ce: plan on the host", me->epoch, err);
     if (err.empty())
       err = ce_peer_rows(me->side, *w, *me, a, me->epoch,
                          timed ? me->marks[kFirstChunk] : nullptr);
-    trace(me->rank, "dispatch ce: peers' rows enqueued", me->epoch, err);
     if (!err.empty()) return err;
   }
   if (gemm) {
@@ -186,7 +182,6 @@ std::string dispatch(void* stream, const DispatchGeometry& g, const SendView& se
     err = gemm(slot, st, gemm_ctx);
     if (!err.empty()) return err;
     JSM_CUDA_TRY("dispatch mark", mark(kGemmEnd, st));
-    trace(me->rank, "dispatch: fused GEMM launched", me->epoch);
   }
   if (w->engine == EngineId::kCe && !absent)
     JSM_CUDA_TRY("dispatch ce place", cudaEventRecord(me->placed, me->place));
@@ -203,7 +198,6 @@ std::string dispatch(void* stream, const DispatchGeometry& g, const SendView& se
       JSM_CUDA_TRY("dispatch join", cudaStreamWaitEvent(st, me->placed, 0));
   }
   me->marks_pending = timed;
-  trace(me->rank, "dispatch: enqueued", me->epoch);
   return "";
 }
 

@@ -125,26 +125,6 @@ inline uint64_t timeout_ns(double s) { return uint64_t(bounded_timeout_s(s) * 1e
 // of them (-1: none), its (src_rank, token, slot) in the Stage1Output and in the latest dispatch
 constexpr int kCheckWords = 8;
 
-// JSM_EP_TRACE=1: each host step of the ce/sm engines' calls on stderr, with the rank, the epoch
-// and the ms since the process's first trace (diagnostics of a hang: which rank's host got how
-// far).
-inline bool trace_on() {
-  static const bool on = [] {
-    const char* v = std::getenv("JSM_EP_TRACE");
-    return v != nullptr && v[0] != '\0' && v[0] != '0';
-  }();
-  return on;
-}
-inline void trace(int rank, const char* what, uint32_t epoch, const std::string& more = "") {
-  if (!trace_on()) return;
-  static const auto t0 = std::chrono::steady_clock::now();
-  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() -
-                                                              t0).count();
-  std::fprintf(stderr, "[jsm ep trace] %10.3f ms rank %d epoch %u: %s%s%s\n", ms, rank, epoch,
-               what, more.empty() ? "" : " ", more.c_str());
-  std::fflush(stderr);
-}
-
 inline uint64_t elapsed_ns(std::chrono::steady_clock::time_point since) {
   return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
                       std::chrono::steady_clock::now() - since)
