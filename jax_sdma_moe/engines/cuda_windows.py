@@ -18,6 +18,7 @@ def fused_gemm1_ok(hidden: int, row_align: int) -> bool:
 
 class CudaWindowEngine(WindowEngine):
   platforms = ("cuda",)
+  counts_overflow_axis_wide = True  # every rank holds every rank's plan (ep_layout_kernel)
   # the thread blocks of the engine's own kernel (SMs the fused GEMM leaves to it): each
   # subclass's property, from its Stage1Config field
   _kernel_blocks: int
