@@ -67,20 +67,41 @@ pytest_outcome() {
 # gpu_count: the machine's GPUs.
 gpu_count() { nvidia-smi -L 2>/dev/null | grep -c "^GPU"; }
 
+# tree_hash PATH...: a hash of the files under PATH (no .pyc).
+tree_hash() {
+  find "$@" -type f ! -name '*.pyc' -print0 | sort -z | xargs -0 sha1sum | sha1sum | cut -c1-16
+}
+
 # build: installs the package from this tree with the machine's jax, once per machine and source
-# state (a hash of the sources; a later step or call on the same machine reuses it).
+# state (a hash of the sources; a later step or call on the same machine reuses it). A wheel of
+# the same native sources built by an earlier call (brought back from its $OUT/wheel/HASH and
+# carried as .device-wheel/HASH/) is installed instead of building, with this tree's Python
+# files over it: minutes sooner.
 build() {
-  local stamp=/tmp/jsm-built hash
-  hash=$(find jax_sdma_moe ffi kernels CMakeLists.txt pyproject.toml -type f ! -name '*.pyc' \
-         -print0 | sort -z | xargs -0 sha1sum | sha1sum | cut -c1-16)
+  local stamp=/tmp/jsm-built hash native carried pkg
+  hash=$(tree_hash jax_sdma_moe ffi kernels CMakeLists.txt pyproject.toml)
+  native=$(tree_hash ffi kernels CMakeLists.txt pyproject.toml)
   if [[ -f $stamp && $(cat $stamp) == "$hash" ]]; then
     note "build: up to date ($hash)"
+    return 0
+  fi
+  carried=$(ls "$REPO"/.device-wheel/"$native"/*.whl 2>/dev/null | head -1)
+  if [[ -n $carried ]]; then
+    step build 120 python3 -m pip install --no-deps --no-index --force-reinstall "$carried" ||
+      { tail -30 "$OUT/build.log"; summary; exit 1; }
+    pkg=$(cd /tmp && python3 -c "import jax_sdma_moe, os; print(os.path.dirname(jax_sdma_moe.__file__))")
+    (cd jax_sdma_moe && find . -name '*.py' -exec cp --parents {} "$pkg" \;)
+    echo "$hash" > $stamp
+    note "build: the carried wheel $carried, this tree's Python files over it"
     return 0
   fi
   # a clean build tree: the device keeps ignored folders (build/) between calls while the copied
   # sources may carry older mtimes than its objects, so an incremental build can keep stale code
   rm -rf "$REPO/build"
-  if ! step build 480 python3 -m pip install -v --no-build-isolation --no-deps --no-index .; then
+  if ! step build 480 python3 -m pip wheel -v --no-build-isolation --no-deps --no-index \
+      -w "$OUT/wheel/$native" . ||
+     ! python3 -m pip install --no-deps --no-index --force-reinstall "$OUT"/wheel/"$native"/*.whl \
+       >> "$OUT/build.log" 2>&1; then
     tail -30 "$OUT/build.log"
     summary
     exit 1

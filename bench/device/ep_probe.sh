@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Probes of the ce/sm engines' protocol with R processes on ONE GPU (tests/mp_gpu_worker.py, every
-# rank on GPU 0, host trace JSM_EP_TRACE=1), each launch bounded, for hangs like engine ce's EP8
+# rank on GPU 0), each launch bounded, for hangs like engine ce's EP8
 # deadlock: settings that change how the ranks' streams meet (CUDA_DEVICE_MAX_CONNECTIONS=1 puts
 # every stream of a context into one hardware queue) and which parts run.
 # Usage, from the repository root: bash bench/device/ep_probe.sh PROBE...
@@ -21,7 +21,7 @@ for spec in "$@"; do
   pids=()
   for ((i = 0; i < R; ++i)); do
     # shellcheck disable=SC2046
-    env -u XLA_FLAGS XLA_PYTHON_CLIENT_PREALLOCATE=false JSM_EP_TRACE=1 ${envs//,/ } \
+    env -u XLA_FLAGS XLA_PYTHON_CLIENT_PREALLOCATE=false ${envs//,/ } \
       timeout -k 5 "$limit" python3 "$REPO/tests/mp_gpu_worker.py" "$i" "$R" "$port" "$seed" 0 \
       ${args//,/ } > "/tmp/probe-$name-$i.log" 2>&1 &
     pids+=($!)
@@ -40,10 +40,10 @@ for spec in "$@"; do
   for ((i = 0; i < R; ++i)); do
     f=/tmp/probe-$name-$i.log
     echo "-- process $i (exit ${status[$i]})" >> "$LOG"
-    grep -E "^\[rank|jsm ep trace|OK rank" "$f" | head -60 >> "$LOG"
+    grep -E "^\[rank|OK rank" "$f" | head -60 >> "$LOG"
     if ! grep -q "^OK rank $i" "$f"; then
       echo "   tail:" >> "$LOG"
-      grep -vE "^\[rank|jsm ep trace" "$f" | tail -25 >> "$LOG"
+      grep -vE "^\[rank" "$f" | tail -25 >> "$LOG"
     fi
   done
 done
