@@ -99,8 +99,6 @@ class Runtime:
     # group of num_ranks devices along the EP axis; group_axes are those axes in mesh order
     self.group_axes = tuple((a, int(n)) for a, n in mesh.shape.items() if a != axis_name)
     self.num_groups = math.prod(n for _, n in self.group_axes)
-    # whether the axis is the mesh's only axis longer than one (the window engines need it)
-    self.only_axis = self.num_groups == 1
     # [G, R]: the device of each (group, rank); groups_local: every group within one process
     self.group_devices = np.moveaxis(
         mesh.devices, mesh.axis_names.index(axis_name), -1).reshape(self.num_groups,
@@ -121,7 +119,7 @@ class Runtime:
                        "kernels were not built: install flydsl and rebuild)")
     engine_cls = engines.select(
         config.engine, platform=self.platform, num_ranks=self.num_ranks,
-        multi_process=self.multi_process, only_axis=self.only_axis,
+        multi_process=self.multi_process,
         groups_local=self.groups_local,
         has_cuda=self.platform == "cuda" and (self.lowering_only or
                                               primitives.extension().has_cuda()))

@@ -291,14 +291,16 @@ def run_processes(tc, script, n, seed, timeout, env_of=lambda i: {}, args_of=lam
   tc.assertFalse(failed, f"seed {seed}:\n" + "\n".join(failed))
 
 
-def run_mp_gpu_workers(tc, n, timeout, gpu=None):
+def run_mp_gpu_workers(tc, n, timeout, gpu=None, groups=1):
   """tests/mp_gpu_worker.py in n processes (the mpirun launch mode's checks), each on its own GPU
-  (its process id) or all on GPU `gpu`. The workers allocate on demand: the test process may
-  already hold most of the GPUs (XLA preallocates 75% once a GPU test has run)."""
+  (its process id) or all on GPU `gpu`; groups > 1: as the mesh (dp = groups, ep = n / groups).
+  The workers allocate on demand: the test process may already hold most of the GPUs (XLA
+  preallocates 75% once a GPU test has run)."""
   run_processes(tc, os.path.join(os.path.dirname(os.path.abspath(__file__)), "mp_gpu_worker.py"),
                 n, int(np.random.SeedSequence().entropy % (2**31)), timeout,
                 env_of=lambda i: {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
-                args_of=lambda i: () if gpu is None else (gpu,))
+                args_of=lambda i: ((() if gpu is None else (gpu,)) +
+                                   ((f"groups={groups}",) if groups > 1 else ())))
 
 
 # --- the whole layer (jsm.moe): shared by test_moe.py and the GPU suites ---------------------

@@ -23,7 +23,10 @@ every part:
             matches the reference on this rank's tokens in back-to-back calls, byte for byte
             between the engines;
 and engine xla is refused with a clear error. Prints 'OK rank N' on success.
-KEY=VALUE (diagnostics, bench/device/ep_probe.sh): engines=ce,sm  parts=stage1,overflow,stale,moe
+KEY=VALUE: groups=G (EP groups, DESIGN.md §2: the mesh (dp = G, ep = NUM_PROCESSES / G), tokens
+sharded over both axes, weights over ep; every check above holds per group, against the reference
+of the group's tokens alone; default 1, the mesh (ep,)).
+Diagnostics (bench/device/ep_probe.sh): engines=ce,sm  parts=stage1,overflow,stale,moe
 (`+` separates as `,` does; part `dispatch`: the engines' dispatch alone, no GEMM)  iters=N
 (stage1's and moe's calls)
 timeout=S (Stage1Config.timeout_s)  repeat=N (each part N times, fresh Runtimes: epoch 1 again).
@@ -57,14 +60,21 @@ import _util  # noqa: E402
 import jax_sdma_moe as jsm  # noqa: E402
 from jax_sdma_moe import api, primitives, reference  # noqa: E402
 
-R = nproc
+GROUPS = int(OPTS.get("groups", 1))
+R = nproc // GROUPS  # an EP group's ranks; this process is rank `rank` of group `group`
+group, rank = divmod(pid, R)
 ENGINES = tuple(OPTS.get("engines", "ce,sm").replace("+", ",").split(","))
 PARTS = tuple(OPTS.get("parts", "stage1,overflow,stale,moe").replace("+", ",").split(","))
 ITERS = int(OPTS["iters"]) if "iters" in OPTS else None
 TIMEOUT_S = float(OPTS.get("timeout", 60.0))
 REPEAT = int(OPTS.get("repeat", 1))
-mesh = jax.sharding.Mesh(np.array(jax.devices()), ("ep",))
-spec = NamedSharding(mesh, P("ep"))
+if GROUPS == 1:
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("ep",))
+else:  # the processes in order: group-major, as jax.devices() lists them
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(GROUPS, R), ("dp", "ep"))
+TOK = P(mesh.axis_names)  # tokens over every axis (rank pid holds rows pid * T ...)
+WGT = P("ep")  # expert weights over ep, replicated over the groups
+spec = NamedSharding(mesh, TOK)
 local = jax.local_devices()[0]
 T0 = time.time()
 
@@ -74,10 +84,31 @@ def log(what):
 
 
 def global_array(host):
-  """[R * n, ...] on the host -> the global array whose rank-pid shard is this process's part."""
+  """[nproc * n, ...] tokens on the host -> the global array whose process-pid shard is this
+  process's part."""
+  host = np.asarray(host)
+  n = host.shape[0] // nproc
+  return jax.make_array_from_process_local_data(spec, host[pid * n:(pid + 1) * n])
+
+
+def weight_array(host):
+  """[E, ...] expert weights on the host -> the global array sharded over ep (this process
+  holds its rank's experts)."""
   host = np.asarray(host)
   n = host.shape[0] // R
-  return jax.make_array_from_process_local_data(spec, host[pid * n:(pid + 1) * n])
+  return jax.make_array_from_process_local_data(NamedSharding(mesh, WGT),
+                                                host[rank * n:(rank + 1) * n], host.shape)
+
+
+def of_group(host):
+  """The rows of this process's group out of [nproc * n, ...] tokens on the host."""
+  host = np.asarray(host)
+  n = host.shape[0] // GROUPS
+  return host[group * n:(group + 1) * n]
+
+
+def shard_mapped(fn, in_specs):
+  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=TOK))
 
 
 def mine(tree):
@@ -88,10 +119,9 @@ def runtime(engine, **cfg):
   return jsm.Runtime(mesh, "ep", jsm.Stage1Config(engine=engine, timeout_s=TIMEOUT_S, **cfg))
 
 
-def stacked(fn):
-  """jit(shard_map(fn)) whose outputs gain a leading rank axis (out_specs P("ep"))."""
-  return jax.jit(jax.shard_map(lambda *a: jax.tree.map(lambda o: o[None], fn(*a)), mesh=mesh,
-                               in_specs=P("ep"), out_specs=P("ep")))
+def stacked(fn, in_specs=(TOK, TOK, TOK, WGT)):
+  """jit(shard_map(fn)) whose outputs gain a leading rank axis (out_specs over every axis)."""
+  return shard_mapped(lambda *a: jax.tree.map(lambda o: o[None], fn(*a)), in_specs)
 
 
 def with_global_overflow(rt):
@@ -128,24 +158,26 @@ def small_shape():
 def make_w1q(s):
   # each process makes only its own experts' weights, on its GPU (dsv3's whole w1 is 7.5 GB)
   EL = s.num_experts // R
-  with jax.default_device(local):
-    w1 = jax.random.normal(jax.random.fold_in(jax.random.key(seed), pid),
+  with jax.default_device(local):  # the same experts in every group
+    w1 = jax.random.normal(jax.random.fold_in(jax.random.key(seed), rank),
                            (EL, 2 * s.intermediate, s.hidden), jnp.bfloat16
                            ) * jnp.bfloat16(1.0 / np.sqrt(s.hidden))
-    w1q = jax.block_until_ready(jax.jit(jsm.quantize_w1)(w1))  # experts pid * EL ... + EL - 1
+    w1q = jax.block_until_ready(jax.jit(jsm.quantize_w1)(w1))  # experts rank * EL ... + EL - 1
   w1s = jax.tree.map(lambda a: jax.make_array_from_single_device_arrays(
-      (R * a.shape[0], *a.shape[1:]), spec, [a]), w1q)
+      (R * a.shape[0], *a.shape[1:]), NamedSharding(mesh, WGT), [a]), w1q)
   return w1q, w1s
 
 
 def stage1_inputs(s, T, routing, r):
-  x = np.asarray(jnp.asarray(r.standard_normal((R * T, s.hidden)), jnp.bfloat16))
-  ids = np.asarray(_util.make_ids(r, R, T, s.topk, s.num_experts, routing))
-  w = r.random((R * T, s.topk)).astype(np.float32)
+  x = np.asarray(jnp.asarray(r.standard_normal((nproc * T, s.hidden)), jnp.bfloat16))
+  ids = np.asarray(_util.make_ids(r, nproc, T, s.topk, s.num_experts, routing))
+  w = r.random((nproc * T, s.topk)).astype(np.float32)
   return x, ids, w
 
 
 def reference_landed(s, T, x, ids, w, cap):
+  """Every rank's landed layout of this process's group (x, ids, w: every process's tokens)."""
+  x, ids, w = of_group(x), of_group(ids), of_group(w)
   with jax.default_device(local):
     return jax.jit(reference.dispatch, static_argnums=(3, 4, 5))(
         jax.tree.map(lambda a: a.reshape(R, T, *a.shape[1:]), jsm.quantize(jnp.asarray(x))),
@@ -185,14 +217,14 @@ def run(s, T, r, iters=1):
     landed = reference_landed(s, T, x, ids, w, cap)
     out = outs[ENGINES[0]]
     for name in _util.LANDED_FIELDS:
-      np.testing.assert_array_equal(getattr(out, name), np.asarray(getattr(landed, name))[pid],
+      np.testing.assert_array_equal(getattr(out, name), np.asarray(getattr(landed, name))[rank],
                                     err_msg=name)
     offs, cnts = out.expert_offsets, out.expert_counts
     got = np.asarray(out.h, np.float32)
     nonempty = np.flatnonzero(cnts)  # none on a rank that skewed routing sends nothing
     picked = {int(e) for e in pick.choice(nonempty, min(3, len(nonempty)))}
     # this rank's rows as a one-rank stack, against its own experts' weights (w1q: [EL, ...])
-    refs = reference.sampled_h32(landed.values[pid:pid + 1], landed.scales[pid:pid + 1], offs,
+    refs = reference.sampled_h32(landed.values[rank:rank + 1], landed.scales[rank:rank + 1], offs,
                                  cnts, picked, w1q, 0, s.swiglu_limit)
     for e, ref in refs.items():
       _util.check_block(_util.Asserts(), got[offs[e]:offs[e] + cnts[e]], ref, "bf16",
@@ -222,7 +254,7 @@ def run_overflow(s, T, r):
       same_bytes({e: outs[e, g] for e in ENGINES}, f"overflow {routing} global={g}")
       out = outs[ENGINES[0], g]
       for name in _util.LANDED_FIELDS:
-        want = np.asarray(getattr(landed, name))[pid]
+        want = np.asarray(getattr(landed, name))[rank]
         if name == "overflow" and g:
           want = dropped.sum()
         np.testing.assert_array_equal(getattr(out, name), want,
@@ -239,11 +271,19 @@ def mid_layer():
 def layer_problem(r, T, routing):
   H, I, E, K = mid_layer()
   with jax.default_device(local):  # the same problem in every process (one seed)
-    x, ids, w, w1q = _util.make_problem(r, R, T, H, I, E, K, routing)
+    x, ids, w, w1q = _util.make_problem(r, nproc, T, H, I, E, K, routing)
     w2q = _util.make_w2q(r, E, H, I)
   args = [global_array(np.asarray(a)) for a in (x, ids, w)]
-  weights = [jax.tree.map(lambda a: global_array(np.asarray(a)), q) for q in (w1q, w2q)]
+  weights = [jax.tree.map(weight_array, q) for q in (w1q, w2q)]
   return (x, ids, w, w1q, w2q), args, weights
+
+
+def check_y_of_group(y, x, ids, w, w1q, w2q, cfg, T, E):
+  """y [T, H] of this rank against reference.moe of its group's tokens."""
+  with jax.default_device(local):
+    ref = _util.reference_y(of_group(x), of_group(ids), of_group(w), w1q, w2q, R, cfg, T)
+  _util.check_y(_util.Asserts(), y, ref[rank:rank + 1],
+                np.asarray(ids)[pid * T:(pid + 1) * T], E)
 
 
 def run_moe(T, r, iters=4):
@@ -252,9 +292,8 @@ def run_moe(T, r, iters=4):
   engines' y byte for byte, calls back to back."""
   E = mid_layer()[2]
   runtimes = {e: runtime(e) for e in ENGINES}
-  fns = {e: jax.jit(jax.shard_map(
-      lambda x, i, w, q1, q2, rt=rt: jsm.moe(x, (i, w), q1, q2, runtime=rt),
-      mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))) for e, rt in runtimes.items()}
+  fns = {e: shard_mapped(lambda x, i, w, q1, q2, rt=rt: jsm.moe(x, (i, w), q1, q2, runtime=rt),
+                        (TOK, TOK, TOK, WGT, WGT)) for e, rt in runtimes.items()}
   for it in range(iters):
     routing = ("masked", "uniform")[it % 2]
     (x, ids, w, w1q, w2q), args, weights = layer_problem(r, T, routing)
@@ -263,10 +302,7 @@ def run_moe(T, r, iters=4):
     for rt in runtimes.values():
       rt.check()
     same_bytes(ys, f"moe T={T} {routing}: y")
-    with jax.default_device(local):
-      ref = _util.reference_y(x, ids, w, w1q, w2q, R, runtimes[ENGINES[0]].config, T)
-    _util.check_y(_util.Asserts(), ys[ENGINES[0]], ref[pid:pid + 1],
-                  np.asarray(ids)[pid * T:(pid + 1) * T], E)
+    check_y_of_group(ys[ENGINES[0]], x, ids, w, w1q, w2q, runtimes[ENGINES[0]].config, T, E)
   close(runtimes)
 
 
@@ -276,9 +312,9 @@ def run_stale(T, r):
   runtimes = {e: runtime(e) for e in ENGINES}
   s1 = {e: stacked(lambda x, i, w, q, rt=rt: jsm.stage1(x, (i, w), q, runtime=rt))
         for e, rt in runtimes.items()}
-  s2 = {e: jax.jit(jax.shard_map(
-      lambda o, q, rt=rt: jsm.stage2(jax.tree.map(lambda a: a[0], o), q, runtime=rt),
-      mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))) for e, rt in runtimes.items()}
+  s2 = {e: shard_mapped(
+      lambda o, q, rt=rt: jsm.stage2(jax.tree.map(lambda a: a[0], o), q, runtime=rt), (TOK, WGT))
+      for e, rt in runtimes.items()}
   (x, ids, w, w1q, w2q), a_args, (w1s, w2s) = layer_problem(r, T, "uniform")
   _, b_args, _ = layer_problem(r, T, "masked")  # other rows, other routes (b's weights unused)
   ys = {}
@@ -307,10 +343,7 @@ def run_stale(T, r):
                                     err_msg=f"{e}: stage2 on an earlier Stage1Output")
     runtimes[e].check()
   same_bytes(ys, f"stale T={T}: y")
-  with jax.default_device(local):
-    ref = _util.reference_y(x, ids, w, w1q, w2q, R, runtimes[ENGINES[0]].config, T)
-  _util.check_y(_util.Asserts(), ys[ENGINES[0]], ref[pid:pid + 1],
-                np.asarray(ids)[pid * T:(pid + 1) * T], E)
+  check_y_of_group(ys[ENGINES[0]], x, ids, w, w1q, w2q, runtimes[ENGINES[0]].config, T, E)
   close(runtimes)
 
 
@@ -325,7 +358,8 @@ def run_dispatch(s, T, r, iters=1):
     route = primitives.route(i, R, EL)
     send = primitives.qpack(x, w, route.send_pos)
     return api.dispatch(send, route.send_counts, runtime=rt, cap=cap)
-  fns = {e: stacked(lambda x, i, w, rt=rt: body(x, i, w, rt)) for e, rt in runtimes.items()}
+  fns = {e: stacked(lambda x, i, w, rt=rt: body(x, i, w, rt), (TOK,) * 3)
+         for e, rt in runtimes.items()}
   for it in range(iters):
     routing = ("uniform", "skewed", "masked")[it % 3]
     x, ids, w = stage1_inputs(s, T, routing, r)
@@ -337,7 +371,7 @@ def run_dispatch(s, T, r, iters=1):
     landed = reference_landed(s, T, x, ids, w, cap)
     for name in _util.LANDED_FIELDS + ("values", "scales"):
       np.testing.assert_array_equal(_util.as_bytes(getattr(outs[ENGINES[0]], name)),
-                                    _util.as_bytes(np.asarray(getattr(landed, name))[pid]),
+                                    _util.as_bytes(np.asarray(getattr(landed, name))[rank]),
                                     err_msg=name)
   close(runtimes)
 

@@ -443,6 +443,12 @@ class CudaRanksShareOneGpuTest(parameterized.TestCase):
     Bytes only: the timing of shared-GPU ranks says nothing of R GPUs."""
     _util.run_mp_gpu_workers(self, R, timeout=150 + 60 * R, gpu=0)
 
+  def test_processes_share_the_gpu_as_groups(self):
+    """EP groups (DESIGN.md §2) in the mpirun launch mode: 4 processes on this one GPU as the mesh
+    (dp 2, ep 2), every part of tests/mp_gpu_worker.py for engines ce and sm per group against the
+    reference of its tokens alone: each group's ranks open only their group's windows."""
+    _util.run_mp_gpu_workers(self, 4, timeout=400, gpu=0, groups=2)
+
 
 if __name__ == "__main__":
   absltest.main()

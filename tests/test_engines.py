@@ -44,7 +44,7 @@ class EnginesTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "one-rank axis"):
       jsm.Runtime(_util.mesh(8), "ep", jsm.Stage1Config(engine="local"))
     self.assertIs(engines.select("sdma", platform="rocm", num_ranks=8, multi_process=False,
-                                 only_axis=True, has_cuda=False), engines.SdmaEngine)
+                                 has_cuda=False), engines.SdmaEngine)
     with self.assertRaisesRegex(ValueError, "runs on"):
       jsm.Runtime(_util.mesh(8), "ep", jsm.Stage1Config(engine="sdma"))
     # built for ROCm but lowered elsewhere: the mesh checks still apply
@@ -74,16 +74,17 @@ class EnginesTest(absltest.TestCase):
 
   def test_default_selection_rules(self):
     pick = lambda **kw: engines.select(None, **{**dict(platform="cuda", num_ranks=2,
-                                                      multi_process=False, only_axis=True,
+                                                      multi_process=False,
                                                       has_cuda=True), **kw}).name
     self.assertEqual(pick(), "sm")
     self.assertEqual(pick(num_ranks=1), "local")
-    self.assertEqual(pick(only_axis=False), "xla")
     self.assertEqual(pick(has_cuda=False), "xla")
     self.assertEqual(pick(platform="cpu"), "cpu")
     self.assertEqual(pick(platform="cpu", multi_process=True), "xla")
-    # EP groups: cpu on another axis too, and across processes where each group is in one
-    self.assertEqual(pick(platform="cpu", only_axis=False), "cpu")
+    # EP groups: the rules are per group (sm on CUDA, cpu on CPU where each group is in one
+    # process, also across processes)
+    self.assertEqual(pick(multi_process=True, groups_local=True), "sm")
+    self.assertEqual(pick(multi_process=True, groups_local=False), "sm")
     self.assertEqual(pick(platform="cpu", multi_process=True, groups_local=True), "cpu")
     # ROCm: local on one GPU; xla across GPUs (engine sdma has never run on AMD hardware)
     self.assertEqual(pick(platform="rocm", has_cuda=False, num_ranks=1), "local")

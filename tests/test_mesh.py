@@ -5,6 +5,8 @@ independent EP group: stage1 and moe of each group against the references of tha
 alone, for engines cpu, xla and local (ep = 1); groups never see each other's rows; the default
 engine; a shard_map manual over "ep" only is refused at trace time."""
 import _util
+import re
+from unittest import mock
 
 import jax
 import numpy as np
@@ -118,6 +120,32 @@ class MeshTest(parameterized.TestCase):
       with self.assertRaisesRegex(Exception, r"rank \d of group \d timed out .* peer rank 1"):
         jax.block_until_ready(layer_fn(m, rt)(
             *(jax.device_put(a, rows) for a in (x, ids, w)), rt.shard_w1(w1q), rt.shard_w2(w2q)))
+
+  @parameterized.parameters(("sm", "cuda"), ("ce", "cuda"), ("sdma", "rocm"))
+  def test_window_engines_lower_on_groups(self, engine, platform):
+    """The GPU window engines on a (dp 2, ep 4) mesh (lowered for their platform: no GPU here):
+    the layer lowers with the engine's dispatch and combine; the rank operand
+    is the rank within the group, each group's rank finding its windows by its device on the GPU
+    (tests/test_cuda.py runs ce and sm as (dp 2, ep 2) in 4 processes on one GPU)."""
+    m = make_mesh("dp2_ep4")
+    x, ids, w, w1q, w2q = problem(_util.rng())
+    rows = NamedSharding(m, P(m.axis_names))
+    with jsm.Runtime(m, "ep", jsm.Stage1Config(engine=engine),
+                     lowering_platform=platform) as rt:
+      self.assertEqual((rt.engine.name, rt.num_groups), (engine, 2))
+      text = layer_fn(m, rt).trace(
+          *(jax.device_put(a, rows) for a in (x, ids, w)), rt.shard_w1(w1q),
+          rt.shard_w2(w2q)).lower(lowering_platforms=(platform,)).as_text()
+    self.assertRegex("".join(sorted(set(re.findall(r"@jsm_\w+\(", text)))),
+                     r"@jsm_combine\(.*@jsm_dispatch(_gemm1)?(_graph)?\(")
+
+  def test_sdma_runs_one_group(self):
+    """Engine sdma serves one group per mesh when it runs (its mori communicators span one group):
+    any other mesh is refused naming the groups; lowering serves any mesh (above)."""
+    with self.assertRaisesRegex(ValueError, r"one EP group per mesh.*2 groups"):
+      jsm.engines.SdmaEngine.check_mesh(
+          mock.Mock(num_ranks=4, num_groups=2, lowering_only=False, axis_name="ep",
+                    mesh=make_mesh("dp2_ep4"), platform="rocm"))
 
   @parameterized.parameters("cpu", "xla")
   def test_shard_map_over_ep_only_is_refused(self, engine):

@@ -23,8 +23,8 @@ ENGINES = {e.name: e for e in (CpuEngine, LocalEngine, XlaEngine, CeEngine, SmEn
 NOT_BUILT = {}
 
 
-def select(name, *, platform: str, num_ranks: int, multi_process: bool, only_axis: bool,
-           has_cuda: bool, groups_local: Optional[bool] = None) -> type:
+def select(name, *, platform: str, num_ranks: int, multi_process: bool, has_cuda: bool,
+           groups_local: Optional[bool] = None) -> type:
   """The engine class for Stage1Config.engine = name (None: the default for the mesh).
   groups_local: every EP group of the mesh lies within one process (None: not multi_process)."""
   if groups_local is None:
@@ -36,8 +36,9 @@ def select(name, *, platform: str, num_ranks: int, multi_process: bool, only_axi
       name = "local"
     elif platform == "cpu":
       name = "xla"
-    elif platform == "cuda" and has_cuda and only_axis:
-      name = "sm"  # the fastest measured on 2xH200, in both launch modes (docs/PERF.md)
+    elif platform == "cuda" and has_cuda:
+      # the fastest measured on 2xH200, in both launch modes (docs/PERF.md); per EP group
+      name = "sm"
     else:
       name = "xla"  # also on ROCm: engine sdma has not run on AMD hardware yet (DESIGN.md §6)
   if name in NOT_BUILT and platform not in NOT_BUILT[name]:

@@ -31,20 +31,24 @@ class CudaWindowEngine(WindowEngine):
                        "nvcc is installed")
 
   def _create(self, key, local):
-    """Device windows on this process's GPUs, then peer access within the process, or CUDA IPC
-    handles exchanged with the other processes."""
+    """Device windows on this process's GPUs (one set holding every EP group's ranks here; a
+    rank's peers are its group's), then peer access within the process where every group here
+    lies in it, or CUDA IPC handles exchanged with the other processes of the groups."""
     rt, ext = self.runtime, self._ext
     wid = ext.ep_windows_create(rt.num_ranks, ext.ENGINE_IDS[self.name], self._kernel_blocks,
-                                *key, [r for r, _ in local], [d for _, d in local])
+                                *key, *map(list, zip(*local)))
     try:
-      if len(local) == rt.num_ranks:
+      groups = sorted({g for g, _, _ in local})
+      if len(local) == len(groups) * rt.num_ranks:
         ext.ep_windows_connect_local(wid)
       else:
-        handles = self._exchange("x".join(map(str, key)),
-                                 {r: ext.ep_window_ipc_handle(wid, r) for r, _ in local},
-                                 list(range(rt.num_ranks)))
-        for r, _ in local:
-          ext.ep_windows_open(wid, r, handles)
+        handles = self._exchange(
+            "x".join(map(str, key)),
+            {f"{g}/{r}": ext.ep_window_ipc_handle(wid, g, r) for g, r, _ in local},
+            [f"{g}/{s}" for g in groups for s in range(rt.num_ranks)])
+        for g, r, _ in local:
+          i = groups.index(g) * rt.num_ranks
+          ext.ep_windows_open(wid, g, r, handles[i:i + rt.num_ranks])
     except Exception:
       ext.ep_windows_destroy(wid)
       raise

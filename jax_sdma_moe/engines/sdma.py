@@ -26,6 +26,13 @@ class SdmaEngine(WindowEngine):
     super().check_mesh(runtime)
     if runtime.lowering_only:
       return
+    if runtime.num_groups > 1:
+      # its mori communicators span one group; several per process is not built (the CUDA
+      # engines' window sets hold every group's ranks)
+      raise ValueError(f"Runtime: engine 'sdma' runs one EP group per mesh in this version; mesh "
+                       f"{dict(runtime.mesh.shape)} has {runtime.num_groups} groups of axis "
+                       f"{runtime.axis_name!r}: use engine 'xla' (lowering with "
+                       f"lowering_only=True serves any mesh)")
     ext = primitives.extension()
     if not ext.has_rocm() or not ext.has_rocm_flydsl():
       raise ValueError("Runtime: this build of jax_sdma_moe has no engine sdma (its dispatch "
@@ -40,12 +47,12 @@ class SdmaEngine(WindowEngine):
     if len(local) == rt.num_ranks:
       uid = ext.sdma_unique_id()
     else:
-      holds_rank0 = local[0][0] == 0
+      holds_rank0 = local[0][1] == 0
       uid, = self._exchange("sdma/" + "x".join(map(str, key)),
                             {"id": ext.sdma_unique_id()} if holds_rank0 else {}, ["id"])
     H, EL, cap, send_rows = key
     return ext.sdma_windows_create(rt.num_ranks, H, EL, cap, send_rows, uid,
-                                   [r for r, _ in local], [d for _, d in local], 0)
+                                   [r for _, r, _ in local], [d for _, _, d in local], 0)
 
   def _error(self, wid):
     return self._ext.sdma_error(wid)

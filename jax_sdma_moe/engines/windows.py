@@ -21,9 +21,6 @@ class WindowEngine(FfiDispatchEngine):
     if runtime.num_ranks < 2:
       raise ValueError(f"Runtime: engine {cls.name!r} moves rows between GPUs; axis "
                        f"{runtime.axis_name!r} has one rank: use engine 'local'")
-    if not runtime.only_axis:
-      raise ValueError(f"Runtime: engine {cls.name!r} needs a mesh whose only axis longer than "
-                       f"one is {runtime.axis_name!r}, got {dict(runtime.mesh.shape)}")
 
   def __init__(self, runtime):
     super().__init__(runtime)
@@ -58,10 +55,11 @@ class WindowEngine(FfiDispatchEngine):
       return self._windows[key]
 
   def _local_ranks(self):
-    """[(rank, local device id)] of the axis's ranks in this process."""
-    devices = list(self.runtime.mesh.devices.reshape(-1))  # other axes have length 1 (check_mesh)
+    """[(EP group, rank within it, local device id)] of this process's devices of the mesh."""
     me = jax.process_index()
-    return [(r, d.local_hardware_id) for r, d in enumerate(devices) if d.process_index == me]
+    return [(g, r, d.local_hardware_id)
+            for g, devices in enumerate(self.runtime.group_devices)
+            for r, d in enumerate(devices) if d.process_index == me]
 
   def _exchange(self, name: str, mine: dict, keys: list) -> list:
     """Publishes {key: bytes} of this process under `name` in jax.distributed's key-value store

@@ -106,9 +106,8 @@ std::string dispatch(void* stream, const DispatchGeometry& g, const SendView& se
   };
   std::chrono::steady_clock::time_point started;  // engine ce's plan statistics
   if (!absent) {
-    if (opt.fault_delay_rank == me->rank && opt.fault_delay_ms > 0)  // at most the timeout
-      std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(std::min(
-          double(opt.fault_delay_ms), me->timeout_s * 1e3)));
+    if (opt.fault_delay_rank == me->rank)
+      std::this_thread::sleep_for(std::chrono::milliseconds(bounded_delay_ms(opt)));
     started = std::chrono::steady_clock::now();
     // the epoch on the device (kernels read it there, also in a replayed CUDA graph); the host's
     // count runs in step for the ce engine's host-side steps (that engine is never captured)

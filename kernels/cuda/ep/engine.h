@@ -19,14 +19,19 @@ namespace ep {
 // exchanged then). Allocates (and zeroes) the windows of `ranks`, each on its CUDA device, for
 // `engine` (ce or sm; kernel_blocks: the blocks of the engine's own kernel, sm's stores or ce's
 // placement). Returns the set's id > 0, or 0 with *err set.
+// EP groups (DESIGN.md §2): the set holds this process's ranks of every group it serves, each
+// (groups[i], ranks[i]) on devices[i], one rank per device (a call finds its rank by the current
+// device); g.R is a group's size, and a rank's peers are the ranks of its own group.
 int64_t windows_create(EngineId engine, int kernel_blocks, const DispatchGeometry& g,
-                       const std::vector<int64_t>& ranks, const std::vector<int64_t>& devices,
-                       std::string* err);
-// One process holding every rank: enables peer access between the devices, fills the tables.
+                       const std::vector<int64_t>& groups, const std::vector<int64_t>& ranks,
+                       const std::vector<int64_t>& devices, std::string* err);
+// Every group's ranks in this process: enables peer access between the devices, fills the tables.
 std::string windows_connect_local(int64_t id);
-// Several processes: the CUDA IPC handle of a local rank's window, and opening every peer's.
-std::string window_ipc_handle(int64_t id, int64_t rank, std::string* handle);
-std::string windows_open(int64_t id, int64_t rank, const std::vector<std::string>& handles);
+// A group across processes: the CUDA IPC handle of a local rank's window, and the peers' windows
+// of the rank's group (those in this process directly, the others by their IPC handles).
+std::string window_ipc_handle(int64_t id, int64_t group, int64_t rank, std::string* handle);
+std::string windows_open(int64_t id, int64_t group, int64_t rank,
+                         const std::vector<std::string>& handles);
 void windows_destroy(int64_t id);
 // "" or the error a bounded wait of a kernel recorded (first local rank that has one).
 std::string error_message(int64_t id);

@@ -41,11 +41,14 @@ struct RankStats {  // written by the rank's calls, read by host_stats() from an
 };
 
 struct LocalRank {
-  int rank = -1, device = -1;
+  // its EP group (DESIGN.md §2: one per combination of the mesh's other axes' coordinates; a
+  // set holds this process's ranks of every group), its rank within the group, its CUDA device
+  int group = 0, rank = -1, device = -1;
   std::shared_ptr<RankStats> stats = std::make_shared<RankStats>();
   uint8_t* own = nullptr;
   cuda::PeerTable peers{};
   std::vector<void*> opened;  // IPC-opened peer windows
+  bool connected = false;     // every peer of its group is in `peers`
   uint32_t epoch = 0;
   uint32_t ret_epoch = 0;  // the combine's calls, in step with ret_epoch_counter (engine ce)
   double timeout_s = 0;
@@ -78,8 +81,8 @@ struct WindowSet {
   int kernel_blocks = 0;  // the engine kernel's blocks: sm's stores, ce's placement
   DispatchGeometry g{};
   cuda::EpWindowLayout L{};
-  std::vector<LocalRank> local;
-  bool connected = false;
+  std::vector<LocalRank> local;  // g.R is a group's size: the ranks of one group see each other
+  bool connected = false;        // every local rank is
 };
 
 // The registered set `id`, or null (windows.cu).
@@ -111,14 +114,7 @@ inline LocalRank* rank_on_current_device(WindowSet& w) {
   return nullptr;
 }
 
-// The longest wait a call honours (1e9 s, ~32 years): timeout_s * 1e9 then fits in uint64_t ns,
-// and so does the device's deadline (%globaltimer, ns since 1970, plus the timeout), also for
-// timeout_s = inf or a huge value. NaN or <= 0 (Stage1Config refuses them): no wait at all.
-constexpr double kMaxTimeoutS = 1e9;
-inline double bounded_timeout_s(double s) {
-  if (!(s > 0)) return 0;
-  return s < kMaxTimeoutS ? s : kMaxTimeoutS;
-}
+// The call's timeout in ns (options.h bounds it: the device's deadline never overflows).
 inline uint64_t timeout_ns(double s) { return uint64_t(bounded_timeout_s(s) * 1e9); }
 
 // engine ce's combine check (combine.cu ep_return_check_kernel): the rows that differ, the first

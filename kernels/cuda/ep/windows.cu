@@ -28,10 +28,30 @@ struct DeviceGuard {
   ~DeviceGuard() { cudaSetDevice(prev); }
 };
 
-LocalRank* local_rank(WindowSet& w, int64_t rank) {
+LocalRank* local_rank(WindowSet& w, int64_t group, int64_t rank) {
   for (auto& l : w.local)
-    if (l.rank == rank) return &l;
+    if (l.group == group && l.rank == rank) return &l;
   return nullptr;
+}
+
+std::string who(int64_t group, int64_t rank) {
+  return "rank " + std::to_string(rank) + " of EP group " + std::to_string(group);
+}
+
+// Peer access from the current device (`from`) to `to`'s memory, within this process.
+std::string enable_peer_access(int from, int to) {
+  if (from == to) return "";
+  int can = 0;
+  JSM_CUDA_TRY("peer access", cudaDeviceCanAccessPeer(&can, from, to));
+  if (!can)
+    return "jax_sdma_moe: device " + std::to_string(from) + " cannot access device " +
+           std::to_string(to) + " (no peer access): use engine 'xla'";
+  cudaError_t e = cudaDeviceEnablePeerAccess(to, 0);
+  if (e == cudaErrorPeerAccessAlreadyEnabled)
+    cudaGetLastError();
+  else if (e != cudaSuccess)
+    return cuda_error("peer access", e);
+  return "";
 }
 
 void free_rank(LocalRank& l) {
@@ -61,8 +81,8 @@ std::shared_ptr<WindowSet> find_set(int64_t id) {
 }
 
 int64_t windows_create(EngineId engine, int kernel_blocks, const DispatchGeometry& g,
-                       const std::vector<int64_t>& ranks, const std::vector<int64_t>& devices,
-                       std::string* err) {
+                       const std::vector<int64_t>& groups, const std::vector<int64_t>& ranks,
+                       const std::vector<int64_t>& devices, std::string* err) {
   const int64_t R = g.R;
   if (engine != EngineId::kCe && engine != EngineId::kSm) {
     *err = std::string("jax_sdma_moe: window sets are for engines ce and sm, not ") +
@@ -79,16 +99,30 @@ int64_t windows_create(EngineId engine, int kernel_blocks, const DispatchGeometr
            std::to_string(kMaxSegments) + " (the sm engine's segment table)";
     return 0;
   }
-  if (ranks.size() != devices.size()) {
-    *err = "jax_sdma_moe: ranks and devices differ in length";
+  if (ranks.size() != devices.size() || groups.size() != ranks.size()) {
+    *err = "jax_sdma_moe: groups, ranks and devices differ in length";
     return 0;
+  }
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (groups[i] < 0 || ranks[i] < 0 || ranks[i] >= R) {
+      *err = "jax_sdma_moe: " + who(groups[i], ranks[i]) + " outside the group's " +
+             std::to_string(R) + " ranks";
+      return 0;
+    }
+    for (size_t j = 0; j < i; ++j)
+      // a call finds its rank by the current device: one rank per device
+      if (devices[j] == devices[i] || (groups[j] == groups[i] && ranks[j] == ranks[i])) {
+        *err = "jax_sdma_moe: " + who(groups[i], ranks[i]) + " on device " +
+               std::to_string(devices[i]) + " repeats a device or a rank of the window set";
+        return 0;
+      }
   }
   auto w = std::make_shared<WindowSet>();
   w->engine = engine, w->kernel_blocks = kernel_blocks, w->g = g;
   w->L = jsm::ep_window_layout_of(engine, g);
   for (size_t i = 0; i < ranks.size(); ++i) {
     LocalRank l;
-    l.rank = int(ranks[i]), l.device = int(devices[i]);
+    l.group = int(groups[i]), l.rank = int(ranks[i]), l.device = int(devices[i]);
     DeviceGuard guard(l.device);
     cudaError_t e = cudaMalloc(&l.own, size_t(w->L.bytes));
     if (e == cudaSuccess) e = cudaMemset(l.own, 0, size_t(w->L.bytes));
@@ -118,7 +152,7 @@ int64_t windows_create(EngineId engine, int kernel_blocks, const DispatchGeometr
     l.peers.base[l.rank] = l.own;
     w->local.push_back(l);
     if (e != cudaSuccess) {
-      *err = cuda_error("window of rank " + std::to_string(l.rank) + " (" +
+      *err = cuda_error("window of " + who(l.group, l.rank) + " (" +
                             std::to_string(w->L.bytes) + " bytes on device " +
                             std::to_string(l.device) + ")",
                         e);
@@ -132,32 +166,25 @@ int64_t windows_create(EngineId engine, int kernel_blocks, const DispatchGeometr
 std::string windows_connect_local(int64_t id) {
   auto w = find_set(id);
   if (!w) return "jax_sdma_moe: unknown window set";
-  if (int64_t(w->local.size()) != w->g.R) return "jax_sdma_moe: not every rank is in this process";
   for (auto& a : w->local) {
     DeviceGuard guard(a.device);
-    for (auto& b : w->local) {
-      a.peers.base[b.rank] = b.own;
-      if (a.device == b.device) continue;
-      int can = 0;
-      JSM_CUDA_TRY("peer access", cudaDeviceCanAccessPeer(&can, a.device, b.device));
-      if (!can)
-        return "jax_sdma_moe: device " + std::to_string(a.device) + " cannot access device " +
-               std::to_string(b.device) + " (no peer access): use engine 'xla'";
-      cudaError_t e = cudaDeviceEnablePeerAccess(b.device, 0);
-      if (e == cudaErrorPeerAccessAlreadyEnabled)
-        cudaGetLastError();
-      else if (e != cudaSuccess)
-        return cuda_error("peer access", e);
+    for (int64_t s = 0; s < w->g.R; ++s) {
+      LocalRank* b = local_rank(*w, a.group, s);
+      if (!b) return "jax_sdma_moe: " + who(a.group, s) + " is not in this process";
+      a.peers.base[s] = b->own;
+      const std::string e = enable_peer_access(a.device, b->device);
+      if (!e.empty()) return e;
     }
+    a.connected = true;
   }
   w->connected = true;
   return "";
 }
 
-std::string window_ipc_handle(int64_t id, int64_t rank, std::string* handle) {
+std::string window_ipc_handle(int64_t id, int64_t group, int64_t rank, std::string* handle) {
   auto w = find_set(id);
-  LocalRank* me = w ? local_rank(*w, rank) : nullptr;
-  if (!me) return "jax_sdma_moe: rank " + std::to_string(rank) + " has no window here";
+  LocalRank* me = w ? local_rank(*w, group, rank) : nullptr;
+  if (!me) return "jax_sdma_moe: " + who(group, rank) + " has no window here";
   DeviceGuard guard(me->device);
   cudaIpcMemHandle_t h;
   JSM_CUDA_TRY("IPC handle", cudaIpcGetMemHandle(&h, me->own));
@@ -165,25 +192,37 @@ std::string window_ipc_handle(int64_t id, int64_t rank, std::string* handle) {
   return "";
 }
 
-std::string windows_open(int64_t id, int64_t rank, const std::vector<std::string>& handles) {
+std::string windows_open(int64_t id, int64_t group, int64_t rank,
+                         const std::vector<std::string>& handles) {
   auto w = find_set(id);
-  LocalRank* me = w ? local_rank(*w, rank) : nullptr;
-  if (!me) return "jax_sdma_moe: rank " + std::to_string(rank) + " has no window here";
-  if (int64_t(handles.size()) != w->g.R) return "jax_sdma_moe: one IPC handle per rank expected";
+  LocalRank* me = w ? local_rank(*w, group, rank) : nullptr;
+  if (!me) return "jax_sdma_moe: " + who(group, rank) + " has no window here";
+  if (int64_t(handles.size()) != w->g.R)
+    return "jax_sdma_moe: one IPC handle per rank of the group expected";
   DeviceGuard guard(me->device);
   for (int64_t s = 0; s < w->g.R; ++s) {
     if (s == rank) continue;
+    if (LocalRank* peer = local_rank(*w, group, s)) {
+      // a peer in this process: its pointer (CUDA IPC opens no memory of the process itself)
+      const std::string e = enable_peer_access(me->device, peer->device);
+      if (!e.empty()) return e;
+      me->peers.base[s] = peer->own;
+      continue;
+    }
     if (handles[size_t(s)].size() != sizeof(cudaIpcMemHandle_t))
-      return "jax_sdma_moe: malformed IPC handle from rank " + std::to_string(s);
+      return "jax_sdma_moe: malformed IPC handle from " + who(group, s);
     cudaIpcMemHandle_t h;
     std::memcpy(&h, handles[size_t(s)].data(), sizeof(h));
     void* p = nullptr;
-    JSM_CUDA_TRY("opening the window of rank " + std::to_string(s),
+    JSM_CUDA_TRY("opening the window of " + who(group, s),
                  cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess));
     me->opened.push_back(p);
     me->peers.base[s] = static_cast<uint8_t*>(p);
   }
-  w->connected = true;
+  me->connected = true;
+  bool all = true;
+  for (const auto& l : w->local) all = all && l.connected;
+  w->connected = all;
   return "";
 }
 
