@@ -29,7 +29,6 @@ __device__ __forceinline__ void poll_pause() { __builtin_amdgcn_s_sleep(16); }
 // Rows are read after a system-scope acquire, which invalidates the CU's caches: plain loads.
 __device__ __forceinline__ uint4 load_cg(const uint4* p) { return *p; }
 __device__ __forceinline__ int2 load_cg(const int2* p) { return *p; }
-__device__ __forceinline__ void trap() { __builtin_trap(); }
 #else
 // The global timer, in ns: the unit of every CUDA kernel's timeout.
 __device__ __forceinline__ uint64_t timer_now() {
@@ -49,7 +48,6 @@ __device__ __forceinline__ void poll_pause() { __nanosleep(1000); }
 // Through L2 only (a peer GPU may have stored the row after this SM's L1 saw the line).
 __device__ __forceinline__ uint4 load_cg(const uint4* p) { return __ldcg(p); }
 __device__ __forceinline__ int2 load_cg(const int2* p) { return __ldcg(p); }
-__device__ __forceinline__ void trap() { __trap(); }
 #endif
 
 // Records the first expired wait (the code is written last, after a system fence), for the host
