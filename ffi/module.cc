@@ -161,17 +161,19 @@ PYBIND11_MODULE(_jsm_ffi, m) {
   };
   m.def("ep_windows_create",
         [](int64_t R, int64_t engine_id, int kernel_blocks, int64_t H, int64_t EL, int64_t m_cap,
-           int64_t send_rows, std::vector<int64_t> groups, std::vector<int64_t> ranks,
-           std::vector<int64_t> devices) {
+           int64_t send_rows, int64_t num_groups, std::vector<int64_t> groups,
+           std::vector<int64_t> ranks, std::vector<int64_t> devices) {
           std::string err;
           const int64_t id = jsm::ep::windows_create(
               jsm::EngineId(engine_id), kernel_blocks,
-              jsm::DispatchGeometry{R, EL, H, m_cap, send_rows}, groups, ranks, devices, &err);
+              jsm::DispatchGeometry{R, EL, H, m_cap, send_rows}, num_groups, groups, ranks,
+              devices, &err);
           if (id == 0) throw std::runtime_error(err);
           return id;
         },
         py::arg("num_ranks"), py::arg("engine_id"), py::arg("kernel_blocks"), py::arg("hidden"),
-        py::arg("local_experts"), py::arg("m_cap"), py::arg("send_rows"), py::arg("groups"),
+        py::arg("local_experts"), py::arg("m_cap"), py::arg("send_rows"), py::arg("num_groups"),
+        py::arg("groups"),
         py::arg("ranks"), py::arg("devices"));
   m.def("ep_windows_connect_local", [check](int64_t id) { check(jsm::ep::windows_connect_local(id)); });
   m.def("ep_window_ipc_handle", [check](int64_t id, int64_t group, int64_t rank) {

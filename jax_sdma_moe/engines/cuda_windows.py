@@ -36,7 +36,7 @@ class CudaWindowEngine(WindowEngine):
     lies in it, or CUDA IPC handles exchanged with the other processes of the groups."""
     rt, ext = self.runtime, self._ext
     wid = ext.ep_windows_create(rt.num_ranks, ext.ENGINE_IDS[self.name], self._kernel_blocks,
-                                *key, *map(list, zip(*local)))
+                                *key, rt.num_groups, *map(list, zip(*local)))
     try:
       groups = sorted({g for g, _, _ in local})
       if len(local) == len(groups) * rt.num_ranks:

@@ -20,11 +20,12 @@ namespace ep {
 // `engine` (ce or sm; kernel_blocks: the blocks of the engine's own kernel, sm's stores or ce's
 // placement). Returns the set's id > 0, or 0 with *err set.
 // EP groups (DESIGN.md §2): the set holds this process's ranks of every group it serves, each
-// (groups[i], ranks[i]) on devices[i], one rank per device (a call finds its rank by the current
+// (groups[i] < num_groups, ranks[i]) on devices[i], one rank per device (a call finds its rank by the current
 // device); g.R is a group's size, and a rank's peers are the ranks of its own group.
 int64_t windows_create(EngineId engine, int kernel_blocks, const DispatchGeometry& g,
-                       const std::vector<int64_t>& groups, const std::vector<int64_t>& ranks,
-                       const std::vector<int64_t>& devices, std::string* err);
+                       int64_t num_groups, const std::vector<int64_t>& groups,
+                       const std::vector<int64_t>& ranks, const std::vector<int64_t>& devices,
+                       std::string* err);
 // Every group's ranks in this process: enables peer access between the devices, fills the tables.
 std::string windows_connect_local(int64_t id);
 // A group across processes: the CUDA IPC handle of a local rank's window, and the peers' windows

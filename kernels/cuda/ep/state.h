@@ -44,6 +44,7 @@ struct LocalRank {
   // its EP group (DESIGN.md §2: one per combination of the mesh's other axes' coordinates; a
   // set holds this process's ranks of every group), its rank within the group, its CUDA device
   int group = 0, rank = -1, device = -1;
+  int num_groups = 1;  // the mesh's groups (messages name the group where there are several)
   std::shared_ptr<RankStats> stats = std::make_shared<RankStats>();
   uint8_t* own = nullptr;
   cuda::PeerTable peers{};
@@ -155,7 +156,7 @@ inline std::string describe(const LocalRank& me) {
            "): stage2 got a Stage1Output whose shapes are not those of the latest stage1 on this "
            "rank. Its rows were not returned; the Runtime's windows may be out of step: create a "
            "new Runtime.";
-  return describe_wait_error(e, me.rank, me.timeout_s);
+  return describe_wait_error(e, me.rank, me.timeout_s, me.group, me.num_groups);
 }
 
 }  // namespace ep

@@ -81,8 +81,9 @@ std::shared_ptr<WindowSet> find_set(int64_t id) {
 }
 
 int64_t windows_create(EngineId engine, int kernel_blocks, const DispatchGeometry& g,
-                       const std::vector<int64_t>& groups, const std::vector<int64_t>& ranks,
-                       const std::vector<int64_t>& devices, std::string* err) {
+                       int64_t num_groups, const std::vector<int64_t>& groups,
+                       const std::vector<int64_t>& ranks, const std::vector<int64_t>& devices,
+                       std::string* err) {
   const int64_t R = g.R;
   if (engine != EngineId::kCe && engine != EngineId::kSm) {
     *err = std::string("jax_sdma_moe: window sets are for engines ce and sm, not ") +
@@ -104,9 +105,9 @@ int64_t windows_create(EngineId engine, int kernel_blocks, const DispatchGeometr
     return 0;
   }
   for (size_t i = 0; i < ranks.size(); ++i) {
-    if (groups[i] < 0 || ranks[i] < 0 || ranks[i] >= R) {
-      *err = "jax_sdma_moe: " + who(groups[i], ranks[i]) + " outside the group's " +
-             std::to_string(R) + " ranks";
+    if (groups[i] < 0 || groups[i] >= num_groups || ranks[i] < 0 || ranks[i] >= R) {
+      *err = "jax_sdma_moe: " + who(groups[i], ranks[i]) + " outside the mesh's " +
+             std::to_string(num_groups) + " groups of " + std::to_string(R) + " ranks";
       return 0;
     }
     for (size_t j = 0; j < i; ++j)
@@ -123,6 +124,7 @@ int64_t windows_create(EngineId engine, int kernel_blocks, const DispatchGeometr
   for (size_t i = 0; i < ranks.size(); ++i) {
     LocalRank l;
     l.group = int(groups[i]), l.rank = int(ranks[i]), l.device = int(devices[i]);
+    l.num_groups = int(num_groups);
     DeviceGuard guard(l.device);
     cudaError_t e = cudaMalloc(&l.own, size_t(w->L.bytes));
     if (e == cudaSuccess) e = cudaMemset(l.own, 0, size_t(w->L.bytes));
